@@ -1,0 +1,1 @@
+"""All engine I/O: the EngineAdapter protocol and its vLLM / LMCache implementations."""

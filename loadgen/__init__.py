@@ -1,0 +1,1 @@
+"""Workloads, runner, reports, and the vLLM-faithful engine simulator."""

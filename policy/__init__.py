@@ -1,0 +1,1 @@
+"""Pure decisions (no I/O): TTL budget, keep-alive schedule, routing, prediction."""

@@ -1,0 +1,1 @@
+"""kvkeeper service: aiohttp proxy, hint dialects, Redis session plane, admin API, CLI."""

@@ -1,0 +1,146 @@
+"""LRU horizon: how long an unused prefix block currently survives on an engine.
+
+vLLM evicts the least-recently-freed cached block first, so every evicted block whose last use
+kvkeeper knows reveals one sample of the horizon: ``age = removed_at - last_used_at``. The
+estimate is a low weighted quantile of a bounded window of recent samples, each weighted by an
+exponential decay of its age, so the estimate follows pressure changes but one burst of odd
+samples does not dominate it.
+
+Without KV events the estimator falls back to ``cached_tokens`` feedback: a session resumed after
+an idle gap ``g`` with fewer cached tokens than expected proves that the horizon is below ``g``.
+Touches happen at a fraction of the estimate, so each further loss lowers the bound until
+resumes stop losing tokens.
+
+When evictions stop, old samples keep their relative weights: the estimate does not drift towards
+"infinite", because a touch costs about one token while a lost prefix costs all of them.
+
+This module is pure: no clock is read (``now``/``at`` are arguments) and nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class HorizonSource(StrEnum):
+    """Where a horizon estimate comes from."""
+
+    EVENTS = "events"  # BlockRemoved ages
+    FEEDBACK = "feedback"  # cached_tokens shortfalls on resume
+    UNKNOWN = "unknown"  # no eviction seen yet: the horizon is unbounded
+
+
+@dataclass(frozen=True, slots=True)
+class HorizonConfig:
+    """Tuning of :class:`HorizonEstimator`.
+
+    ``window``: most recent samples kept per kind; ``quantile``: the low quantile taken (0.1 =
+    90% of recent evictions were older than the estimate); ``half_life_s``: decay of a sample's
+    weight with its age; ``min_samples``: below this many samples the minimum is used instead of
+    the quantile (a quantile of three points means nothing).
+    """
+
+    window: int = 256
+    quantile: float = 0.1
+    half_life_s: float = 300.0
+    min_samples: int = 8
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.min_samples < 1:
+            raise ValueError("window and min_samples must be >= 1")
+        if not 0.0 <= self.quantile <= 1.0:
+            raise ValueError("quantile must be within [0, 1]")
+        if self.half_life_s <= 0:
+            raise ValueError("half_life_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class HorizonEstimate:
+    """The current horizon: ``seconds`` is ``math.inf`` when ``source`` is UNKNOWN."""
+
+    seconds: float
+    source: HorizonSource
+    samples: int
+
+    @property
+    def known(self) -> bool:
+        return math.isfinite(self.seconds)
+
+
+UNKNOWN_HORIZON = HorizonEstimate(math.inf, HorizonSource.UNKNOWN, 0)
+
+
+def weighted_quantile(
+    samples: Iterable[tuple[float, float]], q: float, now: float, half_life_s: float
+) -> float:
+    """The ``q`` quantile of ``(at, value)`` samples weighted by ``0.5 ** ((now - at) / half_life)``.
+
+    Returns ``math.inf`` for no samples. O(n log n).
+    """
+    weighted = sorted((value, 0.5 ** (max(0.0, now - at) / half_life_s)) for at, value in samples)
+    if not weighted:
+        return math.inf
+    target = q * sum(w for _, w in weighted)
+    running = 0.0
+    for value, w in weighted:
+        running += w
+        if running >= target:
+            return value
+    return weighted[-1][0]
+
+
+class HorizonEstimator:
+    """Bounded online horizon estimate for one engine; owned by its retention worker."""
+
+    def __init__(self, config: HorizonConfig | None = None) -> None:
+        self.config = config or HorizonConfig()
+        self._evictions: deque[tuple[float, float]] = deque(maxlen=self.config.window)
+        self._losses: deque[tuple[float, float]] = deque(maxlen=self.config.window)
+        self.survivals = 0  # resumes that found their whole prefix cached (informational)
+
+    def observe_eviction(self, age_s: float, at: float) -> None:
+        """One evicted block, unused for ``age_s`` seconds when it was removed at ``at``."""
+        if age_s >= 0 and math.isfinite(age_s):
+            self._evictions.append((at, age_s))
+
+    def observe_evictions(self, ages_s: Iterable[float], at: float) -> None:
+        """All blocks of one BlockRemoved event (or one tick's batch) removed at ``at``."""
+        for age in ages_s:
+            self.observe_eviction(age, at)
+
+    def observe_resume(
+        self, gap_s: float, cached_tokens: int, expected_cached_tokens: int, at: float
+    ) -> bool:
+        """Feedback from one resumed session; returns True when it revealed a loss.
+
+        ``gap_s`` is the time since the session's prefix was last used OR touched;
+        ``expected_cached_tokens`` is what a fully resident prefix would have given (whole blocks
+        of the previous context). A shortfall bounds the horizon below ``gap_s``.
+        """
+        if cached_tokens < expected_cached_tokens and gap_s > 0:
+            self._losses.append((at, gap_s))
+            return True
+        self.survivals += 1
+        return False
+
+    def estimate(self, now: float) -> HorizonEstimate:
+        """The horizon as of ``now``: events first, else feedback, else unknown (infinite)."""
+        if self._evictions:
+            return HorizonEstimate(
+                self._robust(self._evictions, now), HorizonSource.EVENTS, len(self._evictions)
+            )
+        if self._losses:
+            return HorizonEstimate(
+                self._robust(self._losses, now), HorizonSource.FEEDBACK, len(self._losses)
+            )
+        return UNKNOWN_HORIZON
+
+    def _robust(self, samples: deque[tuple[float, float]], now: float) -> float:
+        # Too few samples for a quantile: the smallest seen is the safe choice.
+        if len(samples) < self.config.min_samples:
+            return min(value for _, value in samples)
+        return weighted_quantile(samples, self.config.quantile, now, self.config.half_life_s)

@@ -1,0 +1,384 @@
+"""LMCache's multi-process stack as kvkeeper's offload tier (``OffloadTier``).
+
+Two HTTP services (shared/reference/cpu-lmcache.md):
+
+- the coordinator (fleet-level): ``POST /directory/lookup`` (token ids -> chunk keys and their
+  tier placements), ``POST|DELETE /cache/pins``, ``GET /instances``, ``GET /instances/usage``,
+  ``GET /healthz``;
+- the MP server (node-local): ``GET /healthcheck``, ``GET /status``, ``POST /cache/clear``
+  (L1 only), ``DELETE /cache/objects`` (by key, ``tier`` ``l1``/``l2``/``all``), ``/quota/{salt}``.
+
+LMCache addresses KV in 256-token chunks hashed its own way (not vLLM's block hashes), so every
+call here takes the request's token ids FROM POSITION 0; only complete chunks count. Keys are
+per model: ``model_name`` must be vLLM's ``--model`` value, not its served name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from adapters.base import AdapterError, Capability, EngineRejected, EngineUnavailable
+
+TIERS = ("l1", "l2")
+
+
+@dataclass(frozen=True, slots=True)
+class LMCacheConfig:
+    """Where the stack listens and how kvkeeper's requests map onto LMCache keys."""
+
+    coordinator_url: str
+    server_url: str
+    model_name: str  # vLLM's --model value (LMCache keys carry it)
+    world_size: int = 1
+    cache_salt: str = ""  # default salt; calls may override (vLLM's request cache_salt)
+    chunk_size: int = 256
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one chunk key's bytes sit."""
+
+    instance_id: str
+    tier: str  # "l1" | "l2"
+    backend: str  # "dram", "fs", ...
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPlacements:
+    """One object key (wire form, as the servers take it back) and where it sits."""
+
+    key: dict[str, Any]
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """One complete chunk of a prefix: one key per rank and object group."""
+
+    index: int
+    chunk_hash: str
+    keys: tuple[KeyPlacements, ...]
+
+    @property
+    def stored(self) -> bool:
+        """Loadable: every key of the chunk sits somewhere."""
+        return all(k.placements for k in self.keys)
+
+    @property
+    def placed(self) -> bool:
+        """Some key of the chunk sits somewhere (so there is something to delete)."""
+        return any(k.placements for k in self.keys)
+
+    @property
+    def tiers(self) -> frozenset[str]:
+        return frozenset(p.tier for k in self.keys for p in k.placements)
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    """Outcome of :meth:`LMCacheAdapter.delete_prefix`."""
+
+    chunks: int  # stored chunks of the prefix that were deleted
+    deleted_keys: dict[str, int]  # per tier, as the MP servers reported
+    skipped_keys: int  # refused by a server (locked L1 objects) or on an unknown instance
+    unpinned: int  # pins released (the highest pin count among the prefix's keys)
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One memory compartment of one MP server, from the coordinator's event stream."""
+
+    instance_id: str
+    tier: str
+    backend: str
+    used_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class L1Status:
+    """The MP server's L1 (CPU memory) manager, from ``GET /status``."""
+
+    objects: int
+    used_bytes: int
+    total_bytes: int
+    chunk_size: int
+    l2_adapters: int
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A per-``cache_salt`` byte budget on the MP server (enforced with ``IsolatedLRU`` only)."""
+
+    cache_salt: str
+    limit_gb: float
+    usage_gb: float
+    exists: bool
+
+
+class LMCacheAdapter:
+    """Async client of one LMCache MP deployment (a coordinator and its MP servers)."""
+
+    capabilities = frozenset({Capability.OFFLOAD, Capability.PREFETCH, Capability.EVICT_OFFLOADED})
+
+    def __init__(self, session: aiohttp.ClientSession, config: LMCacheConfig) -> None:
+        self._http = session
+        self.config = config
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+
+    # -- OffloadTier --------------------------------------------------------------------------
+
+    async def lookup(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """Leading tokens stored in any tier: a multiple of the chunk size (256)."""
+        chunks = await self.chunks(token_ids, cache_salt=cache_salt)
+        leading = 0
+        for chunk in chunks:
+            if not chunk.stored:
+                break
+            leading += 1
+        return leading * self.config.chunk_size
+
+    async def pin(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """Pin the prefix's chunk keys against L2 eviction; returns keys pinned.
+
+        The coordinator answers with the number of keys the complete chunks resolve to, stored
+        or not (a later store is protected too). Pins are counted per key: each :meth:`unpin`
+        lowers the count by one, so callers should pin a prefix once.
+        """
+        reply = await self._call(
+            "POST", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+        )
+        return int(reply.get("affected", 0))
+
+    async def unpin(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """Undo one :meth:`pin`; returns the keys the prefix resolves to (pinned or not)."""
+        reply = await self._call(
+            "DELETE", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+        )
+        return int(reply.get("affected", 0))
+
+    async def delete(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """Delete the prefix's stored chunks from every tier and unpin them; returns chunks deleted."""
+        return (await self.delete_prefix(token_ids, cache_salt=cache_salt)).chunks
+
+    # -- beyond the Protocol ------------------------------------------------------------------
+
+    async def chunks(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[ChunkInfo]:
+        """The prefix's complete chunks, in order, with the tiers each one sits in."""
+        reply = await self._call(
+            "POST", self._coord("/directory/lookup"), self._tokens(token_ids, cache_salt)
+        )
+        return _group_chunks(reply.get("results", []))
+
+    async def delete_prefix(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None, force: bool = False
+    ) -> DeleteResult:
+        """Look up the prefix's keys, ``DELETE /cache/objects`` them per (server, tier), unpin.
+
+        The MP server's delete ignores the coordinator's L2 pins (only the coordinator's own
+        ``/cache/delete`` filters them), so an explicit evict wins over an earlier offload.
+        ``force`` also deletes L1 objects that are read/write-locked by a running transfer.
+        """
+        stored = [c for c in await self.chunks(token_ids, cache_salt=cache_salt) if c.placed]
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for chunk in stored:
+            for kp in chunk.keys:
+                for placement in kp.placements:
+                    groups.setdefault((placement.instance_id, placement.tier), []).append(kp.key)
+        urls = await self._instance_urls() if groups else {}
+        deleted: dict[str, int] = dict.fromkeys(TIERS, 0)
+        skipped = 0
+        for (instance_id, tier), keys in groups.items():
+            url = urls.get(instance_id)
+            if url is None:  # deregistered server: its bytes are out of reach from here
+                skipped += len(keys)
+                continue
+            body = {"keys": keys, "tier": tier, "force": force}
+            reply = await self._call("DELETE", f"{url}/cache/objects", body)
+            deleted[tier] = deleted.get(tier, 0) + int(reply.get("deleted", 0))
+            skipped += int(reply.get("skipped", 0))
+        unpinned = await self._unpin_all(token_ids, cache_salt)
+        # A skipped key keeps (at most) one chunk alive; counts are per key, chunks per prefix.
+        return DeleteResult(max(0, len(stored) - skipped), deleted, skipped, unpinned)
+
+    async def pin_counts(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> dict[str, int]:
+        """Active pins per chunk hash of the prefix (only pinned chunks appear)."""
+        wanted = {c.chunk_hash for c in await self.chunks(token_ids, cache_salt=cache_salt)}
+        salt = self.config.cache_salt if cache_salt is None else cache_salt
+        counts: dict[str, int] = {}
+        offset, page = 0, 10_000
+        while True:  # the pin table is paged; a deployment may hold many sessions' pins
+            params = {"model_name": self.config.model_name, "cache_salt": salt}
+            params |= {"offset": str(offset), "limit": str(page)}
+            reply = await self._call("GET", self._coord("/cache/pins"), params=params)
+            pins = reply.get("pins", [])
+            for pin in pins:
+                chunk_hash = str(pin.get("key", {}).get("chunk_hash_hex", ""))
+                if chunk_hash in wanted:
+                    counts[chunk_hash] = max(
+                        counts.get(chunk_hash, 0), int(pin.get("pin_count", 0))
+                    )
+            offset += len(pins)
+            if not pins or offset >= int(reply.get("total", 0)):
+                return counts
+
+    async def _unpin_all(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Release every pin on the prefix's keys (an evict overrides earlier offloads)."""
+        counts = await self.pin_counts(token_ids, cache_salt=cache_salt)
+        rounds = max(counts.values(), default=0)
+        for _ in range(rounds):
+            await self.unpin(token_ids, cache_salt=cache_salt)
+        return rounds
+
+    async def health(self) -> bool:
+        """True when both the coordinator and the MP server answer their health routes."""
+        try:
+            coord, server = await asyncio.gather(
+                self._call("GET", self._coord("/healthz")),
+                self._call("GET", self._server("/healthcheck")),
+            )
+        except AdapterError:
+            return False
+        return bool(coord.get("status") == "healthy" and server.get("status") == "healthy")
+
+    async def l1_status(self) -> L1Status:
+        """The MP server's L1 occupancy (``GET /status``), summed over its L1 managers."""
+        reply = await self._call("GET", self._server("/status"))
+        storage: dict[str, Any] = reply.get("storage_manager", {})
+        managers: list[dict[str, Any]] = list(storage.get("l1_managers", {}).values())
+        return L1Status(
+            objects=sum(int(m.get("total_object_count", 0)) for m in managers),
+            used_bytes=sum(int(m.get("memory_used_bytes", 0)) for m in managers),
+            total_bytes=sum(int(m.get("memory_total_bytes", 0)) for m in managers),
+            chunk_size=int(reply.get("chunk_size", self.config.chunk_size)),
+            l2_adapters=len(storage.get("l2_adapters", [])),
+        )
+
+    async def usage(self) -> list[TierUsage]:
+        """Per server and tier bytes used / declared capacity (coordinator ``/instances/usage``)."""
+        reply = await self._call("GET", self._coord("/instances/usage"))
+        return [
+            TierUsage(
+                instance_id=str(inst.get("instance_id", "")),
+                tier=str(mod.get("tier", "")),
+                backend=str(mod.get("backend", "")),
+                used_bytes=int(mod.get("used_bytes", 0)),
+                capacity_bytes=int(mod.get("capacity_bytes", 0)),
+            )
+            for inst in reply.get("instances", [])
+            for mod in inst.get("modules", [])
+        ]
+
+    async def clear_l1(self, *, force: bool = False) -> None:
+        """Drop the MP server's L1 (CPU memory) contents; L2 (disk) keeps its copies."""
+        await self._call("POST", self._server("/cache/clear"), {"tier": "l1", "force": force})
+
+    async def set_quota(self, cache_salt: str, limit_gb: float) -> None:
+        """Set a per-salt byte budget on the MP server."""
+        await self._call("PUT", self._server(f"/quota/{cache_salt}"), {"limit_gb": limit_gb})
+
+    async def get_quota(self, cache_salt: str) -> Quota:
+        """The per-salt budget and current usage."""
+        reply = await self._call("GET", self._server(f"/quota/{cache_salt}"))
+        return Quota(
+            cache_salt=str(reply.get("cache_salt", cache_salt)),
+            limit_gb=float(reply.get("limit_gb", 0.0)),
+            usage_gb=float(reply.get("current_usage_gb", 0.0)),
+            exists=bool(reply.get("exists", False)),
+        )
+
+    async def delete_quota(self, cache_salt: str) -> None:
+        """Remove a per-salt budget."""
+        await self._call("DELETE", self._server(f"/quota/{cache_salt}"))
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _coord(self, path: str) -> str:
+        return self.config.coordinator_url.rstrip("/") + path
+
+    def _server(self, path: str) -> str:
+        return self.config.server_url.rstrip("/") + path
+
+    def _tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> dict[str, Any]:
+        return {
+            "model_name": self.config.model_name,
+            "world_size": self.config.world_size,
+            "token_ids": list(token_ids),
+            "cache_salt": self.config.cache_salt if cache_salt is None else cache_salt,
+        }
+
+    async def _instance_urls(self) -> dict[str, str]:
+        """instance_id -> MP server HTTP base URL, from the coordinator's registry."""
+        reply = await self._call("GET", self._coord("/instances"))
+        return {
+            str(i["instance_id"]): f"http://{i['ip']}:{i['http_port']}"
+            for i in reply.get("instances", [])
+            if "instance_id" in i and "ip" in i and "http_port" in i
+        }
+
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any] | None = None,
+        *,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        request = self._http.request(method, url, json=body, params=params, timeout=self._timeout)
+        async with _map_errors(method, url), request as resp:
+            if resp.status >= 400:
+                raise EngineRejected(resp.status, _detail(await resp.text()))
+            return await resp.json(content_type=None)
+
+
+@asynccontextmanager
+async def _map_errors(method: str, url: str) -> AsyncIterator[None]:
+    """The one place where transport and decoding failures become AdapterErrors."""
+    try:
+        yield
+    except AdapterError:
+        raise
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        raise EngineUnavailable(f"LMCache {method} {url}: {exc!r}") from exc
+    except (aiohttp.ClientError, ValueError) as exc:  # bad payload / undecodable JSON
+        raise AdapterError(f"LMCache {method} {url}: {exc!r}") from exc
+
+
+def _detail(text: str, limit: int = 300) -> str:
+    return text.strip().replace("\n", " ")[:limit]
+
+
+def _placement(raw: dict[str, Any]) -> Placement:
+    return Placement(
+        instance_id=str(raw.get("instance_id", "")),
+        tier=str(raw.get("tier", "")),
+        backend=str(raw.get("backend", "")),
+        size_bytes=int(raw.get("size_bytes", 0)),
+    )
+
+
+def _group_chunks(results: list[dict[str, Any]]) -> list[ChunkInfo]:
+    """Fold the lookup's per-key results (chunks x ranks x object groups) into chunks, in order."""
+    by_hash: dict[str, list[KeyPlacements]] = {}  # dicts keep first-seen (= chunk) order
+    for result in results:
+        key = dict(result.get("key", {}))
+        placements = tuple(_placement(p) for p in result.get("placements", []))
+        by_hash.setdefault(str(key.get("chunk_hash_hex", "")), []).append(
+            KeyPlacements(key, placements)
+        )
+    return [
+        ChunkInfo(index=i, chunk_hash=h, keys=tuple(kps))
+        for i, (h, kps) in enumerate(by_hash.items())
+    ]

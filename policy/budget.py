@@ -99,7 +99,10 @@ def effective_budget(load: EngineLoad, config: BudgetConfig | None = None) -> tu
     cfg = config or BudgetConfig()
     pressure = load_pressure(load, cfg)
     base = cfg.share * max(0, load.pool_blocks)
-    return math.floor(base * (1.0 - pressure * (1.0 - cfg.min_factor))), pressure
+    # Interpolated as a blend (not 1 - p * (1 - f)) so p = 1 gives exactly f * base; the
+    # epsilon keeps a product like 275.0000001 or 49.9999999 on the intended integer.
+    blocks = base * ((1.0 - pressure) + pressure * cfg.min_factor)
+    return math.floor(blocks + 1e-6), pressure
 
 
 def allocate_budget(

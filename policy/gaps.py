@@ -121,6 +121,10 @@ class GapModel:
         self.config = config or GapConfig()
         self._stats: dict[tuple[str, str], _Stats] = {}
 
+    def __len__(self) -> int:
+        """Number of (agent, stop reason) keys tracked, wildcard levels included."""
+        return len(self._stats)
+
     def observe(self, agent: str, stop_reason: str, gap_s: float) -> None:
         """A session of ``agent`` that stopped with ``stop_reason`` resumed after ``gap_s``."""
         log_gap = math.log(max(gap_s, 1e-3))

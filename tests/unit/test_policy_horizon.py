@@ -1,0 +1,113 @@
+"""LRU horizon estimation: weighted quantiles, sample minimums, windows, feedback mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policy.horizon import (
+    HorizonConfig,
+    HorizonEstimator,
+    HorizonSource,
+    weighted_quantile,
+)
+
+SAME_TIME = [(0.0, float(v)) for v in range(1, 11)]
+
+
+@pytest.mark.parametrize(
+    ("samples", "q", "now", "expected"),
+    [
+        (SAME_TIME, 0.1, 0.0, 1.0),
+        (SAME_TIME, 0.5, 0.0, 5.0),
+        (SAME_TIME, 0.0, 0.0, 1.0),
+        (SAME_TIME, 1.0, 0.0, 10.0),
+        ([], 0.1, 0.0, math.inf),
+        # 5 old samples of 100 s (weight 0.25 each after two half-lives) + 1 fresh of 10 s:
+        # total 2.25, q=0.4 -> target 0.9, the fresh sample alone reaches it.
+        ([(0.0, 100.0)] * 5 + [(600.0, 10.0)], 0.4, 600.0, 10.0),
+        # Without decay (all fresh) the same quantile lands on 100.
+        ([(600.0, 100.0)] * 5 + [(600.0, 10.0)], 0.4, 600.0, 100.0),
+    ],
+)
+def test_weighted_quantile(
+    samples: list[tuple[float, float]], q: float, now: float, expected: float
+) -> None:
+    assert weighted_quantile(samples, q, now, half_life_s=300.0) == expected
+
+
+def test_no_evictions_means_unknown_infinite_horizon() -> None:
+    est = HorizonEstimator().estimate(now=123.0)
+    assert est.source is HorizonSource.UNKNOWN
+    assert est.seconds == math.inf
+    assert not est.known
+
+
+def test_few_samples_take_the_minimum() -> None:
+    h = HorizonEstimator(HorizonConfig(min_samples=8))
+    h.observe_evictions([20.0, 5.0, 30.0], at=100.0)
+    est = h.estimate(now=100.0)
+    assert (est.seconds, est.source, est.samples) == (5.0, HorizonSource.EVENTS, 3)
+
+
+def test_many_samples_take_the_low_quantile() -> None:
+    h = HorizonEstimator(HorizonConfig(quantile=0.1, min_samples=8))
+    h.observe_evictions([float(a) for a in range(1, 101)], at=50.0)
+    est = h.estimate(now=50.0)
+    assert est.seconds == 10.0
+    assert est.samples == 100
+
+
+def test_window_keeps_only_recent_samples() -> None:
+    h = HorizonEstimator(HorizonConfig(window=10, min_samples=8, quantile=0.1))
+    for age in range(1, 21):
+        h.observe_eviction(float(age), at=float(age))
+    est = h.estimate(now=20.0)
+    assert est.samples == 10
+    assert est.seconds >= 11.0  # ages 1..10 were pushed out of the window
+
+
+def test_pressure_drop_follows_recent_samples() -> None:
+    """Horizon was ~100 s; pressure rises and evictions now happen at ~10 s."""
+    h = HorizonEstimator(HorizonConfig(half_life_s=60.0, min_samples=4, quantile=0.5))
+    h.observe_evictions([100.0] * 20, at=0.0)
+    h.observe_evictions([10.0] * 10, at=600.0)
+    assert h.estimate(now=600.0).seconds == 10.0
+
+
+def test_invalid_ages_are_ignored() -> None:
+    h = HorizonEstimator()
+    h.observe_evictions([-1.0, math.nan, math.inf], at=0.0)
+    assert h.estimate(now=0.0).source is HorizonSource.UNKNOWN
+
+
+def test_feedback_mode_bounds_horizon_below_lost_gap() -> None:
+    h = HorizonEstimator(HorizonConfig(min_samples=8))
+    assert (
+        h.observe_resume(gap_s=10.0, cached_tokens=2016, expected_cached_tokens=2016, at=1.0)
+        is False
+    )
+    assert h.survivals == 1
+    assert h.estimate(now=1.0).source is HorizonSource.UNKNOWN
+    assert h.observe_resume(gap_s=40.0, cached_tokens=0, expected_cached_tokens=2016, at=2.0)
+    assert h.observe_resume(gap_s=25.0, cached_tokens=992, expected_cached_tokens=2016, at=3.0)
+    est = h.estimate(now=3.0)
+    assert (est.seconds, est.source, est.samples) == (25.0, HorizonSource.FEEDBACK, 2)
+
+
+def test_events_take_precedence_over_feedback() -> None:
+    h = HorizonEstimator()
+    h.observe_resume(gap_s=40.0, cached_tokens=0, expected_cached_tokens=64, at=0.0)
+    h.observe_eviction(12.0, at=1.0)
+    est = h.estimate(now=1.0)
+    assert (est.seconds, est.source) == (12.0, HorizonSource.EVENTS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"window": 0}, {"min_samples": 0}, {"quantile": 1.5}, {"half_life_s": 0.0}],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - the message names the field
+        HorizonConfig(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,170 @@
+"""Admin REST under ``/admin`` (bearer token), and the OpenAPI document that describes it.
+
+The operator token (``KVKEEPER_ADMIN_TOKEN``) sees every tenant; a tenant's API key sees only
+that tenant's sessions. Redis down -> 503.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from proxy.auth import Principal
+from proxy.errors import BadRequest, NotFound, StoreUnavailable
+from proxy.runtime import RUNTIME, Runtime
+from proxy.store import STATES, Session, SessionStore, StoreDown
+
+MAX_PAGE = 500
+MAX_TREE_NODES = 1000
+AdminHandler = Callable[[web.Request, Runtime, SessionStore, Principal], Awaitable[web.Response]]
+
+
+def admin_route(fn: AdminHandler) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """Authenticate, require the store, and turn Redis failures into 503."""
+
+    async def handler(request: web.Request) -> web.Response:
+        rt = request.app[RUNTIME]
+        principal = rt.tenants.principal(request.headers, rt.settings.admin_token)
+        if rt.store is None:
+            raise StoreUnavailable("session store unavailable", code="store_unavailable")
+        try:
+            return await fn(request, rt, rt.store, principal)
+        except StoreDown as exc:
+            raise StoreUnavailable(
+                f"session store unavailable: {exc}", code="store_unavailable"
+            ) from exc
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer", param=name) from None
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name} must be between {lo} and {hi}", param=name)
+    return value
+
+
+@admin_route
+async def list_sessions(
+    request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
+) -> web.Response:
+    state = request.query.get("state")
+    if state is not None and state not in STATES:
+        raise BadRequest(f"state must be one of {', '.join(STATES)}", param="state")
+    limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    cursor = request.query.get("cursor", "0:0")
+    try:
+        t_index, offset = (int(p) for p in cursor.split(":", 1))
+    except ValueError:
+        raise BadRequest("cursor is malformed", param="cursor") from None
+    requested = request.query.get("tenant")
+    tenants = (
+        [principal.scope(requested)] if requested or principal.tenant else await store.tenants()
+    )
+    parent = request.query.get("parent")
+    page: list[Session] = []
+    next_cursor: str | None = None
+    while t_index < len(tenants) and len(page) < limit:
+        got, nxt = await store.list_sessions(
+            tenants[t_index], parent=parent, state=state, offset=offset, limit=limit - len(page)
+        )
+        page.extend(got)
+        if nxt is not None:
+            next_cursor = f"{t_index}:{nxt}"
+            break
+        t_index, offset = t_index + 1, 0
+        next_cursor = f"{t_index}:0" if t_index < len(tenants) and len(page) >= limit else None
+    now = time.time()
+    return web.json_response(
+        {"object": "list", "data": [s.to_json(now) for s in page], "next_cursor": next_cursor}
+    )
+
+
+async def _tree(store: SessionStore, root: Session) -> dict[str, Any]:
+    """The session's subtree, breadth first, at most MAX_TREE_NODES nodes."""
+    nodes: dict[str, dict[str, Any]] = {
+        root.session_id: {"session_id": root.session_id, "state": root.state, "children": []}
+    }
+    frontier, count = [root], 1
+    while frontier and count < MAX_TREE_NODES:
+        ids = [c for s in frontier for c in s.children][: MAX_TREE_NODES - count]
+        found = [s for s in await store.get_many(root.tenant, ids) if s is not None]
+        for child in found:
+            node = {"session_id": child.session_id, "state": child.state, "children": []}
+            nodes[child.session_id] = node
+            if child.parent in nodes:
+                nodes[child.parent]["children"].append(node)
+        count += len(found)
+        frontier = found
+    return nodes[root.session_id]
+
+
+@admin_route
+async def get_session(
+    request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
+) -> web.Response:
+    tenant = principal.scope(request.query.get("tenant"))
+    sid = request.match_info["session_id"]
+    session = await store.get(tenant, sid)
+    if session is None:
+        raise NotFound(f"no session {sid!r}", code="unknown_session")
+    body = session.to_json(time.time())
+    body["tree"] = await _tree(store, session)
+    return web.json_response(body)
+
+
+@admin_route
+async def free_session(
+    request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
+) -> web.Response:
+    tenant = principal.scope(request.query.get("tenant"))
+    sid = request.match_info["session_id"]
+    tree = request.query.get("tree", "false").lower() in ("1", "true", "yes")
+    freed = await store.free(tenant, sid, tree=tree)
+    if not freed:
+        raise NotFound(f"no session {sid!r}", code="unknown_session")
+    rt.metrics.sessions_freed.labels("tree" if tree else "single").inc(len(freed))
+    return web.json_response({"object": "kvkeeper.freed", "freed": freed})
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    rt.tenants.principal(request.headers, rt.settings.admin_token)
+    data = [
+        {
+            "name": e.name,
+            "url": e.url,
+            "healthy": e.healthy,
+            "inflight": e.inflight,
+            "last_error": e.last_error,
+            "last_check": e.last_check or None,
+            "models": e.models,
+            "events": e.spec.events,
+        }
+        for e in rt.pool.engines
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from proxy.openapi import document
+
+    return web.json_response(document())
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/sessions", list_sessions)
+    app.router.add_get("/admin/sessions/{session_id}", get_session)
+    app.router.add_delete("/admin/sessions/{session_id}", free_session)
+    app.router.add_get("/admin/engines", list_engines)
+    app.router.add_get("/openapi.json", openapi)

@@ -1,0 +1,82 @@
+"""``create_app``: the aiohttp application with its resources opened and closed in cleanup_ctx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from proxy.admin import add_admin_routes
+from proxy.auth import TenantMap
+from proxy.edits import EditExecutor
+from proxy.embedded import EmbeddedRedis
+from proxy.errors import error_middleware
+from proxy.metrics import Metrics
+from proxy.routes import add_routes
+from proxy.runtime import RUNTIME, Runtime
+from proxy.settings import Settings
+from proxy.store import SessionStore
+from proxy.upstream import EnginePool, make_client
+
+log = logging.getLogger("kvkeeper.app")
+
+# Redis on the hot path must fail fast: a dead or hung Redis may not stall requests.
+REDIS_TIMEOUT_S = 0.5
+
+
+def open_redis(url: str) -> Redis:
+    return Redis.from_url(
+        url,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        health_check_interval=15,
+        max_connections=256,
+    )
+
+
+def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
+    """Build the app; resources (client, Redis, workers) start with it and stop with it."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=settings.limits.max_body_bytes
+    )
+    metrics = Metrics()
+    tenants = TenantMap.from_file(settings.tenants_file)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        client = make_client(settings.upstream)
+        embedded: EmbeddedRedis | None = None
+        url = settings.redis_url
+        if url is None:
+            embedded = EmbeddedRedis()
+            url = await embedded.start()
+            log.info("embedded redis at %s", url)
+        redis = open_redis(url)
+        store = SessionStore(
+            redis, settings.limits, namespace=settings.namespace, on_error=metrics.redis_errors.inc
+        )
+        pool = EnginePool(settings.engines, client, metrics)
+        rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
+        if edits is not None:
+            rt.edits = edits
+        app[RUNTIME] = rt
+        health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await rt.drain()
+            await client.close()
+            await redis.aclose()
+            if embedded is not None:
+                await embedded.stop()
+
+    app.cleanup_ctx.append(resources)
+    add_routes(app)
+    add_admin_routes(app)
+    return app

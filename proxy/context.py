@@ -1,0 +1,47 @@
+"""The recorded context of a session: what kvkeeper re-sends to touch or warm its prefix.
+
+Blob layout: ``b"KVK1"`` + one JSON header line (route, breakpoint) + zlib(request body).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"KVK1"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedContext:
+    route: str
+    body: dict[str, Any]
+    breakpoint: tuple[str, int] | None = None
+
+    def prefix_body(self) -> dict[str, Any]:
+        """The body cut at the Anthropic cache breakpoint (the protected prefix), if any."""
+        if self.breakpoint is None:
+            return dict(self.body)
+        section, index = self.breakpoint
+        body = dict(self.body)
+        if index >= 0 and isinstance(body.get(section), list):
+            body[section] = body[section][: index + 1]
+            if section in ("tools", "system"):  # nothing after the breakpoint's section
+                body["messages"] = body.get("messages", [])[:1]
+        return body
+
+
+def encode_context(route: str, body: bytes, breakpoint: tuple[str, int] | None = None) -> bytes:
+    header = json.dumps({"route": route, "breakpoint": breakpoint}, separators=(",", ":"))
+    return MAGIC + header.encode() + b"\n" + zlib.compress(body, 1)
+
+
+def decode_context(blob: bytes) -> RecordedContext:
+    if not blob.startswith(MAGIC):
+        raise ValueError("not a kvkeeper context blob")
+    header, _, payload = blob[len(MAGIC) :].partition(b"\n")
+    meta = json.loads(header)
+    body = json.loads(zlib.decompress(payload))
+    bp = meta.get("breakpoint")
+    return RecordedContext(meta["route"], body, (bp[0], int(bp[1])) if bp else None)

@@ -1,0 +1,372 @@
+"""Every hint dialect becomes one :class:`Hint`; hint fields are stripped before the engine.
+
+Dialects (DESIGN.md section 3), strongest first when they disagree:
+
+* ``agent_hint`` body field, the RFC schema (seeds/000): session, parent, cache_control, edits;
+* headers ``X-Session-Id``, ``X-Parent-Session-Id``, ``X-Agent-Name``, ``X-Cache-TTL``;
+* OpenAI ``prompt_cache_key`` (session key) + ``prompt_cache_retention`` (``in_memory``|``24h``);
+* Anthropic ``cache_control`` breakpoints on ``tools``/``system``/``messages`` blocks (/v1/messages).
+
+A request with no hint yields ``None`` and its body bytes are forwarded untouched. Any invalid
+hint raises :class:`BadRequest` before anything is stored or forwarded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from proxy.errors import BadRequest
+from proxy.settings import Limits
+
+RFC_MAX_TTL = 3600.0
+ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
+ANTHROPIC_MAX_BREAKPOINTS = 4
+# Cheap pre-check: a body without these bytes carries no body hint and is never parsed.
+_BODY_MARKERS = (b"agent_hint", b"prompt_cache_", b"cache_control")
+
+EditType = Literal["offload", "prefetch", "evict"]
+Retention = Literal["default", "extended"]
+
+
+# --- the RFC schema (seeds/000), strict: no coercion of "300" or true into numbers ---------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class CacheControlParams(_Strict):
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: float = Field(default=300.0, ge=0, le=RFC_MAX_TTL)
+    block_offset: int | None = Field(default=None, ge=0)
+
+
+class ContextEdit(_Strict):
+    type: EditType
+    block_start: int | None = Field(default=None, ge=0)
+    block_end: int | None = Field(default=None, ge=0)  # exclusive
+
+    @model_validator(mode="after")
+    def _range(self) -> ContextEdit:
+        if (self.block_start is None) != (self.block_end is None):
+            raise ValueError("block_start and block_end must be supplied together")
+        if (
+            self.block_start is not None
+            and self.block_end is not None
+            and (self.block_start >= self.block_end)
+        ):
+            raise ValueError("block_start must be less than block_end (half-open range)")
+        return self
+
+
+class ContextManagementParams(_Strict):
+    manage_request: bool = False
+    edits: list[ContextEdit] = Field(default_factory=list)
+
+
+class AgentHintParams(_Strict):
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    cache_control: CacheControlParams | None = None
+    context_management: ContextManagementParams | None = None
+
+
+# --- the one value every dialect maps to ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Edit:
+    type: EditType
+    block_start: int | None = None
+    block_end: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """What the client told kvkeeper about this request, whatever dialect it used."""
+
+    session_id: str
+    parent_session_id: str | None = None
+    agent_name: str | None = None
+    ttl_s: float | None = None  # None: no protection asked; 0: stop protecting
+    block_offset: int | None = None
+    retention: Retention = "default"
+    manage_request: bool = False
+    edits: tuple[Edit, ...] = ()
+    dialects: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())  # e.g. "ttl_capped"
+    # Anthropic: the last cache_control breakpoint, (section, index), bounding the protected prefix
+    breakpoint: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A request after hint extraction: the hint (or None) and the bytes to send upstream."""
+
+    hint: Hint | None
+    body: bytes
+    json_body: dict[str, Any] | None  # parsed body when it had to be parsed, else None
+
+
+def _fail(message: str, param: str) -> BadRequest:
+    return BadRequest(message, param=param, code="invalid_hint")
+
+
+def _check_id(value: Any, param: str, limits: Limits) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(f"{param} must be a non-empty string", param)
+    if len(value) > limits.max_session_id_len:
+        raise _fail(f"{param} is longer than {limits.max_session_id_len} characters", param)
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise _fail(f"{param} must not contain control characters", param)
+    return value
+
+
+def _pydantic_message(exc: ValidationError, prefix: str) -> tuple[str, str]:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in (prefix, *first["loc"]))
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    return f"{loc}: {msg}", loc
+
+
+@dataclass
+class _Draft:
+    """Accumulates dialect contributions; the first dialect to set a field wins, conflicts fail."""
+
+    limits: Limits
+    session_id: str | None = None
+    parent: str | None = None
+    agent: str | None = None
+    ttl: float | None = None
+    block_offset: int | None = None
+    retention: Retention = "default"
+    manage: bool = False
+    edits: list[Edit] = field(default_factory=list)
+    dialects: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    breakpoint: tuple[str, int] | None = None
+
+    def set_session(self, value: Any, param: str) -> None:
+        sid = _check_id(value, param, self.limits)
+        if self.session_id is not None and self.session_id != sid:
+            raise _fail(f"{param} conflicts with the session id given by another hint", param)
+        self.session_id = sid
+
+    def set_parent(self, value: Any, param: str) -> None:
+        pid = _check_id(value, param, self.limits)
+        if self.parent is not None and self.parent != pid:
+            raise _fail(f"{param} conflicts with the parent id given by another hint", param)
+        self.parent = pid
+
+    def set_ttl(self, ttl: float, param: str) -> None:
+        if self.ttl is None:
+            self.ttl = ttl
+
+    def finish(self) -> Hint | None:
+        if not self.dialects:
+            return None
+        if self.session_id is None:
+            if self.ttl is not None or self.edits or self.manage or self.parent:
+                raise _fail(
+                    "a session id is required for cache_control, parent links and edits "
+                    "(agent_hint.session_id, X-Session-Id or prompt_cache_key)",
+                    "agent_hint.session_id",
+                )
+            return None  # e.g. only X-Agent-Name: nothing to track
+        if self.parent == self.session_id:
+            raise _fail(
+                "parent_session_id must differ from session_id", "agent_hint.parent_session_id"
+            )
+        if self.manage and not self.edits:
+            raise _fail(
+                "manage_request needs at least one edit", "agent_hint.context_management.edits"
+            )
+        if len(self.edits) > self.limits.max_edits:
+            raise _fail(
+                f"at most {self.limits.max_edits} edits per request",
+                "agent_hint.context_management.edits",
+            )
+        ttl = self.ttl
+        if ttl is not None and ttl > self.limits.max_ttl_s:
+            ttl = self.limits.max_ttl_s
+            self.notes.append("ttl_capped")
+        return Hint(
+            session_id=self.session_id,
+            parent_session_id=self.parent,
+            agent_name=self.agent,
+            ttl_s=ttl,
+            block_offset=self.block_offset,
+            retention=self.retention,
+            manage_request=self.manage,
+            edits=tuple(self.edits),
+            dialects=tuple(self.dialects),
+            notes=tuple(self.notes),
+            breakpoint=self.breakpoint,
+        )
+
+
+def _agent_hint(draft: _Draft, raw: Any) -> None:
+    if not isinstance(raw, dict):
+        raise _fail("agent_hint must be an object", "agent_hint")
+    try:
+        params = AgentHintParams.model_validate(raw)
+    except ValidationError as exc:
+        msg, loc = _pydantic_message(exc, "agent_hint")
+        raise _fail(msg, loc) from exc
+    draft.dialects.append("agent_hint")
+    if params.session_id is not None:
+        draft.set_session(params.session_id, "agent_hint.session_id")
+    if params.parent_session_id is not None:
+        draft.set_parent(params.parent_session_id, "agent_hint.parent_session_id")
+    if params.cache_control is not None:
+        draft.ttl = params.cache_control.ttl
+        draft.block_offset = params.cache_control.block_offset
+    if params.context_management is not None:
+        draft.manage = params.context_management.manage_request
+        draft.edits = [
+            Edit(e.type, e.block_start, e.block_end) for e in params.context_management.edits
+        ]
+
+
+def _headers(draft: _Draft, headers: Mapping[str, str]) -> None:
+    used = False
+    if (sid := headers.get("X-Session-Id")) is not None:
+        draft.set_session(sid, "X-Session-Id")
+        used = True
+    if (pid := headers.get("X-Parent-Session-Id")) is not None:
+        draft.set_parent(pid, "X-Parent-Session-Id")
+        used = True
+    if (agent := headers.get("X-Agent-Name")) is not None:
+        draft.agent = _check_id(agent, "X-Agent-Name", draft.limits)
+        used = True
+    if (ttl_raw := headers.get("X-Cache-TTL")) is not None:
+        try:
+            ttl = float(ttl_raw)
+        except ValueError:
+            raise _fail("X-Cache-TTL must be a number of seconds", "X-Cache-TTL") from None
+        if not math.isfinite(ttl) or not 0 <= ttl <= RFC_MAX_TTL:
+            raise _fail(f"X-Cache-TTL must be between 0 and {RFC_MAX_TTL:g} seconds", "X-Cache-TTL")
+        draft.set_ttl(ttl, "X-Cache-TTL")
+        used = True
+    if used:
+        draft.dialects.append("headers")
+
+
+def _openai(draft: _Draft, body: dict[str, Any]) -> None:
+    key = body.pop("prompt_cache_key", None)
+    retention = body.pop("prompt_cache_retention", None)
+    if key is None and retention is None:
+        return
+    draft.dialects.append("openai")
+    if key is not None:
+        draft.set_session(key, "prompt_cache_key")
+    if retention is not None:
+        if retention not in ("in_memory", "24h"):
+            raise _fail(
+                'prompt_cache_retention must be "in_memory" or "24h"', "prompt_cache_retention"
+            )
+        draft.set_ttl(draft.limits.default_ttl_s if retention == "in_memory" else RFC_MAX_TTL, "")
+        if retention == "24h":
+            draft.retention = "extended"
+
+
+def _strip_block_cache_control(
+    blocks: Any, section: str, found: list[tuple[str, int, float]]
+) -> None:
+    if not isinstance(blocks, list):
+        return
+    for i, block in enumerate(blocks):
+        if not isinstance(block, dict):
+            continue
+        if "cache_control" in block:
+            found.append((section, i, _anthropic_ttl(block.pop("cache_control"), section)))
+        if section == "messages" and isinstance(block.get("content"), list):
+            inner: list[tuple[str, int, float]] = []
+            _strip_block_cache_control(block["content"], "content", inner)
+            found.extend(("messages", i, ttl) for _, _, ttl in inner)
+
+
+def _anthropic_ttl(cc: Any, section: str) -> float:
+    param = f"{section}.cache_control"
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+        raise _fail('cache_control must be {"type": "ephemeral"}', param)
+    unknown = set(cc) - {"type", "ttl"}
+    if unknown:
+        raise _fail(f"cache_control has unknown fields: {sorted(unknown)}", param)
+    ttl = cc.get("ttl", "5m")
+    if ttl not in ANTHROPIC_TTLS:
+        raise _fail('cache_control.ttl must be "5m" or "1h"', param)
+    return ANTHROPIC_TTLS[ttl]
+
+
+def _anthropic(draft: _Draft, body: dict[str, Any]) -> None:
+    found: list[tuple[str, int, float]] = []
+    if "cache_control" in body:  # top-level automatic caching: the whole prompt
+        found.append(("messages", -1, _anthropic_ttl(body.pop("cache_control"), "body")))
+    for section in ("tools", "system", "messages"):
+        _strip_block_cache_control(body.get(section), section, found)
+    if not found:
+        return
+    if len(found) > ANTHROPIC_MAX_BREAKPOINTS:
+        raise _fail(
+            f"at most {ANTHROPIC_MAX_BREAKPOINTS} cache_control breakpoints are allowed",
+            "cache_control",
+        )
+    draft.dialects.append("anthropic")
+    order = {"tools": 0, "system": 1, "messages": 2}
+    section, index, _ = max(found, key=lambda f: (order[f[0]], f[1] if f[1] >= 0 else 1 << 30))
+    draft.breakpoint = (section, index)
+    draft.set_ttl(max(ttl for _, _, ttl in found), "")
+    if draft.session_id is None:  # no explicit session: the prefix itself names the session
+        draft.session_id = "prefix-" + _prefix_digest(body, section, index)
+
+
+def _prefix_digest(body: dict[str, Any], section: str, index: int) -> str:
+    parts: dict[str, Any] = {"model": body.get("model")}
+    for name in ("tools", "system", "messages"):
+        value = body.get(name)
+        if name == section:
+            parts[name] = value[: index + 1] if isinstance(value, list) and index >= 0 else value
+            break
+        parts[name] = value
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def might_carry_body_hint(raw: bytes) -> bool:
+    return any(marker in raw for marker in _BODY_MARKERS)
+
+
+def parse_request(
+    route: str, headers: Mapping[str, str], raw: bytes, limits: Limits
+) -> ParsedRequest:
+    """Extract the hint from one request; raise BadRequest on an invalid hint or body."""
+    draft = _Draft(limits)
+    body: dict[str, Any] | None = None
+    if might_carry_body_hint(raw):
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(
+                f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise BadRequest("request body must be a JSON object", code="invalid_json")
+        body = parsed
+        if "agent_hint" in body:
+            _agent_hint(draft, body.pop("agent_hint"))
+        _headers(draft, headers)
+        _openai(draft, body)
+        if route == "/v1/messages":
+            _anthropic(draft, body)
+    else:
+        _headers(draft, headers)
+    hint = draft.finish()
+    if body is not None:
+        raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return ParsedRequest(hint=hint, body=raw, json_body=body)

@@ -1,0 +1,44 @@
+-- Free a session, or its whole tree with children before parents (post-order).
+-- Keys are derived from the namespace prefix (single-instance / Sentinel Redis).
+-- ARGV[1] key prefix (e.g. "kvk")  ARGV[2] tenant  ARGV[3] sid  ARGV[4] "1" = whole tree
+-- ARGV[5] max sessions to free in one call
+-- Returns the freed session ids in the order they were freed (empty when not found).
+local prefix, tenant, root = ARGV[1], ARGV[2], ARGV[3]
+local function key(kind, sid) return prefix .. ':' .. kind .. ':' .. tenant .. ':' .. sid end
+if redis.call('EXISTS', key('s', root)) == 0 then return {} end
+local order = {}
+if ARGV[4] == '1' then
+  local limit = tonumber(ARGV[5])
+  local seen = {[root] = true}
+  local stack = {{root, false}}
+  while #stack > 0 do
+    local top = stack[#stack]
+    if top[2] then
+      table.remove(stack)
+      order[#order + 1] = top[1]
+    else
+      top[2] = true
+      for _, child in ipairs(redis.call('SMEMBERS', key('ch', top[1]))) do
+        if not seen[child] and #order + #stack < limit then
+          seen[child] = true
+          stack[#stack + 1] = {child, false}
+        end
+      end
+    end
+  end
+else
+  order[1] = root
+  for _, child in ipairs(redis.call('SMEMBERS', key('ch', root))) do
+    redis.call('HDEL', key('s', child), 'parent')  -- orphans keep their own state
+  end
+end
+local idx = prefix .. ':idx:' .. tenant
+local dl = prefix .. ':dl'
+for _, sid in ipairs(order) do
+  local parent = redis.call('HGET', key('s', sid), 'parent')
+  if parent then redis.call('SREM', key('ch', parent), sid) end
+  redis.call('DEL', key('s', sid), key('ch', sid), key('ctx', sid), key('blk', sid))
+  redis.call('ZREM', idx, sid)
+  redis.call('ZREM', dl, tenant .. '\31' .. sid)
+end
+return order

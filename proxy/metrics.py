@@ -1,0 +1,106 @@
+"""Prometheus metrics, one registry per app (no globals). Session ids are never labels."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Every kvkeeper metric, registered on a private registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvkeeper_requests",
+            "Proxied requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.hints = Counter("kvkeeper_hints", "Hints received by dialect", ["dialect"], registry=r)
+        self.hint_outcomes = Counter(
+            "kvkeeper_hint_outcomes", "Hint outcomes", ["outcome", "reason"], registry=r
+        )
+        self.edits = Counter(
+            "kvkeeper_edits", "Context edits by type and outcome", ["type", "outcome"], registry=r
+        )
+        self.sessions_created = Counter("kvkeeper_sessions_created", "Sessions created", registry=r)
+        self.sessions_freed = Counter(
+            "kvkeeper_sessions_freed", "Sessions freed", ["how"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            "kvkeeper_upstream_latency_seconds",
+            "Time from forwarding to the engine's full response",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvkeeper_ttft_seconds",
+            "Time to first byte of the engine's response, seen at the proxy",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvkeeper_prompt_tokens", "Prompt tokens reported by engines", registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvkeeper_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.upstream_errors = Counter(
+            "kvkeeper_upstream_errors", "Failed upstream attempts", ["engine", "kind"], registry=r
+        )
+        self.failovers = Counter(
+            "kvkeeper_failovers", "Requests moved to another engine", registry=r
+        )
+        self.redis_errors = Counter(
+            "kvkeeper_redis_errors", "Redis failures (data plane failed open)", registry=r
+        )
+        self.fail_open = Counter(
+            "kvkeeper_fail_open_requests", "Requests forwarded without session features", registry=r
+        )
+        self.engine_up = Gauge(
+            "kvkeeper_engine_up", "Engine health (1 up, 0 down)", ["engine"], registry=r
+        )
+        self.inflight = Gauge(
+            "kvkeeper_inflight_requests", "Requests in flight per engine", ["engine"], registry=r
+        )
+        # retention (issue 4): touches and warm-ups and what they recomputed
+        self.touches = Counter(
+            "kvkeeper_touches", "Keep-alive touches sent", ["engine", "outcome"], registry=r
+        )
+        self.touch_prompt_tokens = Counter(
+            "kvkeeper_touch_prompt_tokens", "Prompt tokens sent by touches", registry=r
+        )
+        self.touch_recomputed_tokens = Counter(
+            "kvkeeper_touch_recomputed_tokens",
+            "Prompt tokens touches recomputed (not cached)",
+            registry=r,
+        )
+        self.warmup_prompt_tokens = Counter(
+            "kvkeeper_warmup_prompt_tokens", "Prompt tokens sent by prefetch warm-ups", registry=r
+        )
+        self.warmup_recomputed_tokens = Counter(
+            "kvkeeper_warmup_recomputed_tokens", "Prompt tokens warm-ups recomputed", registry=r
+        )
+        self.expiries = Counter("kvkeeper_expiries", "Session TTLs that expired", registry=r)
+        self.pressure_overrides = Counter(
+            "kvkeeper_pressure_overrides", "Protections lapsed by the soft-TTL budget", registry=r
+        )
+        self.protected_sessions = Gauge(
+            "kvkeeper_protected_sessions", "Sessions currently protected", ["engine"], registry=r
+        )
+        self.protected_blocks = Gauge(
+            "kvkeeper_protected_blocks",
+            "Distinct blocks currently protected",
+            ["engine"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

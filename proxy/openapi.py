@@ -1,0 +1,198 @@
+"""The OpenAPI 3.1 document for kvkeeper's own routes (admin + health + metrics).
+
+The proxied engine routes are described by the engines' own APIs; they are listed here with the
+hint fields kvkeeper adds. ``tests/integration`` checks that this document and the router agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.hints import AgentHintParams
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_SID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_TENANT = {
+    "name": "tenant",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "Operator token only: the tenant to act on (default: 'default').",
+}
+
+
+def _resp(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"description": description}
+    if schema is not None:
+        body["content"] = {"application/json": {"schema": schema}}
+    return body
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    names = {400: "Bad request", 401: "Unauthorized", 404: "Not found", 503: "Store unavailable"}
+    return {str(c): _resp(names[c], _ERROR) for c in codes}
+
+
+def _proxied(summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "description": "Forwarded to an engine byte for byte; hint fields are stripped first.",
+            "parameters": [
+                {"name": h, "in": "header", "required": False, "schema": {"type": "string"}}
+                for h in ("X-Session-Id", "X-Parent-Session-Id", "X-Agent-Name", "X-Cache-TTL")
+            ],
+            "requestBody": {
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "agent_hint": {"$ref": "#/components/schemas/AgentHint"}
+                            },
+                            "additionalProperties": True,
+                        }
+                    }
+                }
+            },
+            "responses": {
+                "200": _resp("The engine's response (JSON or SSE), or a management result"),
+                **_errors(400, 401),
+                "502": _resp("No engine could take the request", _ERROR),
+            },
+        }
+    }
+
+
+def document() -> dict[str, Any]:
+    session = {"$ref": "#/components/schemas/Session"}
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _proxied("OpenAI chat completions"),
+        "/v1/completions": _proxied("OpenAI completions"),
+        "/v1/messages": _proxied("Anthropic messages"),
+        "/v1/responses": _proxied("OpenAI responses"),
+        "/v1/models": {
+            "get": {"summary": "Models merged across engines", "responses": {"200": _resp("List")}}
+        },
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _resp("Alive")}}},
+        "/readyz": {
+            "get": {
+                "summary": "Readiness: at least one engine healthy",
+                "responses": {"200": _resp("Ready"), "503": _resp("Not ready")},
+            }
+        },
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": _resp("Text")}}},
+        "/openapi.json": {
+            "get": {"summary": "This document", "responses": {"200": _resp("OpenAPI")}}
+        },
+        "/admin/sessions": {
+            "get": {
+                "summary": "List sessions, newest first",
+                "security": [{"bearer": []}],
+                "parameters": [
+                    _TENANT,
+                    *(
+                        {"name": n, "in": "query", "required": False, "schema": {"type": t}}
+                        for n, t in (
+                            ("parent", "string"),
+                            ("state", "string"),
+                            ("cursor", "string"),
+                            ("limit", "integer"),
+                        )
+                    ),
+                ],
+                "responses": {
+                    "200": _resp(
+                        "A page of sessions",
+                        {
+                            "type": "object",
+                            "properties": {
+                                "data": {"type": "array", "items": session},
+                                "next_cursor": {"type": ["string", "null"]},
+                            },
+                        },
+                    ),
+                    **_errors(400, 401, 503),
+                },
+            }
+        },
+        "/admin/sessions/{session_id}": {
+            "get": {
+                "summary": "One session with its subtree, TTL left, engine and counters",
+                "security": [{"bearer": []}],
+                "parameters": [_SID, _TENANT],
+                "responses": {"200": _resp("The session", session), **_errors(401, 404, 503)},
+            },
+            "delete": {
+                "summary": "Free a session; ?tree=true frees its subtree, children first",
+                "security": [{"bearer": []}],
+                "parameters": [
+                    _SID,
+                    _TENANT,
+                    {
+                        "name": "tree",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "boolean"},
+                    },
+                ],
+                "responses": {
+                    "200": _resp(
+                        "Freed ids in the order they were freed",
+                        {
+                            "type": "object",
+                            "properties": {"freed": {"type": "array", "items": {"type": "string"}}},
+                        },
+                    ),
+                    **_errors(401, 404, 503),
+                },
+            },
+        },
+        "/admin/engines": {
+            "get": {
+                "summary": "Engines with health and load",
+                "security": [{"bearer": []}],
+                "responses": {"200": _resp("Engines"), **_errors(401)},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvkeeper", "version": "0.1.0"},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "AgentHint": AgentHintParams.model_json_schema(
+                    ref_template="#/components/schemas/AgentHint/$defs/{model}"
+                ),
+                "Error": {
+                    "type": "object",
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                },
+                "Session": {
+                    "type": "object",
+                    "properties": {
+                        "session_id": {"type": "string"},
+                        "tenant": {"type": "string"},
+                        "state": {"type": "string"},
+                        "parent_session_id": {"type": ["string", "null"]},
+                        "children": {"type": "array", "items": {"type": "string"}},
+                        "engine": {"type": ["string", "null"]},
+                        "ttl_left_s": {"type": "number"},
+                        "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
+                    },
+                },
+            },
+        },
+    }

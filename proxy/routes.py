@@ -1,0 +1,183 @@
+"""The data plane: OpenAI / Anthropic routes proxied byte for byte, plus health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from proxy.context import encode_context
+from proxy.edits import outcome_header
+from proxy.errors import NotFound, StoreUnavailable, UpstreamError
+from proxy.hints import Hint, parse_request
+from proxy.runtime import RUNTIME, Runtime
+from proxy.store import StoreDown, Usage
+from proxy.upstream import Engine, response_headers, upstream_headers
+from proxy.usage import UsageSniffer
+
+log = logging.getLogger("kvkeeper.routes")
+
+PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+HINT_HEADER = "X-KVKeeper-Hint"
+
+
+async def proxy_request(request: web.Request) -> web.StreamResponse:
+    """Parse hints, register the session, forward to an engine, stream the answer back."""
+    rt = request.app[RUNTIME]
+    route = request.path
+    tenant = rt.tenants.tenant_for(request.headers)
+    raw = await request.read()
+    parsed = parse_request(route, request.headers, raw, rt.settings.limits)
+    hint, reg = parsed.hint, None
+    if hint is not None:
+        for dialect in hint.dialects:
+            rt.metrics.hints.labels(dialect).inc()
+        if hint.manage_request:
+            return await _manage(rt, tenant, hint)
+        reg = await rt.register(tenant, hint)
+
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    headers = upstream_headers(
+        request.headers,
+        request_id,
+        api_key=rt.settings.upstream.api_key,
+        drop_auth=rt.tenants.multi_tenant,
+    )
+    order = rt.engine_order(reg.upserted if reg else None)
+    sent_at = time.perf_counter()
+    engine, upstream = await rt.pool.open(
+        order, request.method, request.path_qs, headers, parsed.body
+    )
+    if upstream.status >= 400 and "json" not in upstream.content_type:
+        detail = (await upstream.read())[:200].decode(errors="replace")
+        upstream.release()
+        rt.metrics.requests.labels(route, str(upstream.status)).inc()
+        raise UpstreamError(
+            f"engine {engine.name} answered {upstream.status}: {detail}",
+            status=upstream.status,
+            code="upstream_error",
+        )
+    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    resp.headers.extend(response_headers(upstream.headers))
+    resp.headers["X-Request-Id"] = request_id
+    resp.headers["X-KVKeeper-Engine"] = engine.name
+    if reg is not None:
+        resp.headers[HINT_HEADER] = reg.outcome + (
+            "; edits=deferred" if hint and hint.edits else ""
+        )
+    if upstream.content_length is not None:
+        resp.content_length = upstream.content_length
+    sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
+    engine.inflight += 1
+    try:
+        await resp.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            if sniffer.first_byte_at is None:
+                sniffer.first_byte_at = time.perf_counter()
+                rt.metrics.ttft.labels(route).observe(sniffer.first_byte_at - sent_at)
+            sniffer.feed(chunk)
+            await resp.write(chunk)
+        await resp.write_eof()
+    except BaseException:  # client gone or cancelled: drop the engine's connection now
+        upstream.close()
+        raise
+    finally:
+        engine.inflight -= 1
+        upstream.release()
+    rt.metrics.upstream_latency.labels(route).observe(time.perf_counter() - sent_at)
+    rt.metrics.requests.labels(route, str(upstream.status)).inc()
+    usage = sniffer.finish()
+    if usage is not None:
+        rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        rt.metrics.cached_tokens.inc(usage.cached_tokens)
+    if hint is not None and reg is not None and reg.upserted is not None and upstream.status < 400:
+        rt.spawn(_after(rt, tenant, hint, route, parsed.body, engine, usage))
+    return resp
+
+
+async def _after(
+    rt: Runtime,
+    tenant: str,
+    hint: Hint,
+    route: str,
+    body: bytes,
+    engine: Engine,
+    usage: Usage | None,
+) -> None:
+    """Off the hot path: record usage + context, then run deferred edits."""
+    assert rt.store is not None
+    context = encode_context(route, body, hint.breakpoint)
+    try:
+        await rt.store.record_completion(
+            tenant,
+            hint.session_id,
+            engine=engine.name,
+            usage=usage or Usage(),
+            context=context,
+            now=time.time(),
+        )
+    except StoreDown:
+        return
+    if hint.edits:
+        results = await rt.edits.apply(tenant, hint.session_id, hint.edits)
+        for r in results:
+            rt.metrics.edits.labels(r.edit.type, r.status).inc()
+
+
+async def _manage(rt: Runtime, tenant: str, hint: Hint) -> web.Response:
+    """``manage_request: true``: run the edits now, never reach the model."""
+    if rt.store is None:
+        raise StoreUnavailable("session store unavailable", code="store_unavailable")
+    try:
+        session = await rt.store.get(tenant, hint.session_id)
+    except StoreDown as exc:
+        raise StoreUnavailable("session store unavailable", code="store_unavailable") from exc
+    if session is None:
+        raise NotFound(
+            f"no session {hint.session_id!r}", param="agent_hint.session_id", code="unknown_session"
+        )
+    results = await rt.edits.apply(tenant, hint.session_id, hint.edits)
+    for r in results:
+        rt.metrics.edits.labels(r.edit.type, r.status).inc()
+    body = {
+        "object": "kvkeeper.management",
+        "session_id": hint.session_id,
+        "results": [r.to_json() for r in results],
+    }
+    headers = {HINT_HEADER: "accepted", "X-KVKeeper-Edits": outcome_header(results)}
+    return web.json_response(body, headers=headers)
+
+
+async def models(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    rt.tenants.tenant_for(request.headers)
+    return web.json_response({"object": "list", "data": await rt.pool.models()})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    engines = {e.name: e.healthy for e in rt.pool.engines}
+    redis_ok = rt.store is not None and await rt.store.ping()
+    ready = any(engines.values())
+    body = {"ready": ready, "engines": engines, "redis": redis_ok}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    return web.Response(body=rt.metrics.render(), headers={"Content-Type": rt.metrics.content_type})
+
+
+def add_routes(app: web.Application) -> None:
+    for path in PROXIED_ROUTES:
+        app.router.add_post(path, proxy_request)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

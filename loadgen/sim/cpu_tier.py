@@ -1,0 +1,154 @@
+"""An LMCache-like CPU tier: 256-token chunks keyed by token ids, LRU, pins.
+
+Like LMCache in front of vLLM, the tier is written through: when a request's prefill is done,
+every full chunk of its prompt is stored (or refreshed to most-recently-used). So blocks that
+the device tier later evicts are still here and a new request can load them back instead of
+recomputing them. Only full chunks are stored (LMCache observed: an 830-token prompt stored
+three 256-token chunks). Pinned chunks are never evicted by LRU; explicit deletes and clears
+still remove them (as LMCache's explicit L2 delete does).
+
+Chunk keys chain over chunks (``chunk[i] = h(chunk[i-1], tokens, salt on chunk 0)``), so a key
+names a whole prefix, like LMCache's own chunk hashes. Events for this tier carry vLLM's block
+hashes of the blocks in each chunk, with ``medium: "CPU"``.
+
+Pure: no I/O. Events go to the shared event list.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from adapters.block_hash import event_id, sha256_cbor
+from loadgen.sim.block_pool import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
+
+CHUNK_TOKENS = 256
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One stored chunk: its key, the vLLM block hashes it covers, and pin state."""
+
+    key: str
+    cache_salt: str | None
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    pinned: bool = False
+    access_count: int = 0
+
+
+class CpuTier:
+    """LRU of chunks (oldest first in the OrderedDict)."""
+
+    def __init__(
+        self,
+        capacity_chunks: int,
+        block_size: int,
+        hash_seed: str,
+        events: list[KVEvent],
+        chunk_tokens: int = CHUNK_TOKENS,
+    ) -> None:
+        if chunk_tokens % block_size:
+            raise ValueError("chunk size must be a multiple of the block size")
+        self.capacity = capacity_chunks
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.events = events
+        self._seed = hash_seed
+        self.chunks: OrderedDict[str, Chunk] = OrderedDict()
+
+    def chunk_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[str]:
+        """Keys of every full chunk of ``token_ids``."""
+        keys: list[str] = []
+        parent: bytes = sha256_cbor(("lmcache", self._seed))
+        ct = self.chunk_tokens
+        for i in range(len(token_ids) // ct):
+            extra = cache_salt if i == 0 else None
+            parent = sha256_cbor((parent, tuple(token_ids[i * ct : (i + 1) * ct]), extra))
+            keys.append(parent.hex())
+        return keys
+
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Leading tokens stored (whole chunks); refreshes those chunks in the LRU."""
+        hit = 0
+        for key in self.chunk_keys(token_ids, cache_salt):
+            chunk = self.chunks.get(key)
+            if chunk is None:
+                break
+            self.chunks.move_to_end(key)
+            chunk.access_count += 1
+            hit += self.chunk_tokens
+        return hit
+
+    def store(
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        cache_salt: str | None,
+    ) -> int:
+        """Store every full chunk of a computed prefix; returns chunks newly stored."""
+        per_chunk = self.chunk_tokens // self.block_size
+        new = 0
+        for i, key in enumerate(self.chunk_keys(token_ids, cache_salt)):
+            if key in self.chunks:
+                self.chunks.move_to_end(key)
+                continue
+            if not self._make_room():
+                break
+            hashes = list(block_hashes[i * per_chunk : (i + 1) * per_chunk])
+            parent = block_hashes[i * per_chunk - 1] if i else None
+            ct = self.chunk_tokens
+            tokens = list(token_ids[i * ct : (i + 1) * ct])
+            self.chunks[key] = Chunk(key, cache_salt, hashes, parent, tokens)
+            self.events.append(
+                BlockStored(
+                    [event_id(h) for h in hashes],
+                    event_id(parent) if parent else None,
+                    tokens,
+                    self.block_size,
+                    MEDIUM_CPU,
+                )
+            )
+            new += 1
+        return new
+
+    def _make_room(self) -> bool:
+        while len(self.chunks) >= self.capacity:
+            victim = next((k for k, c in self.chunks.items() if not c.pinned), None)
+            if victim is None:
+                return False  # everything pinned: skip storing, like a full pinned L1
+            self.remove(victim)
+        return True
+
+    def remove(self, key: str) -> bool:
+        chunk = self.chunks.pop(key, None)
+        if chunk is None:
+            return False
+        self.events.append(BlockRemoved([event_id(h) for h in chunk.block_hashes], MEDIUM_CPU))
+        return True
+
+    def set_pinned(self, token_ids: Sequence[int], cache_salt: str | None, pinned: bool) -> int:
+        """Pin or unpin the stored chunks of a prefix; returns chunks affected."""
+        affected = 0
+        for key in self.chunk_keys(token_ids, cache_salt):
+            chunk = self.chunks.get(key)
+            if chunk is not None:
+                chunk.pinned = pinned
+                affected += 1
+        return affected
+
+    def clear(self) -> int:
+        keys = list(self.chunks)
+        for key in keys:
+            self.remove(key)
+        return len(keys)
+
+    def usage_by_salt(self) -> dict[str, int]:
+        """Chunks stored per cache salt ("" for unsalted)."""
+        out: dict[str, int] = {}
+        for chunk in self.chunks.values():
+            salt = chunk.cache_salt or ""
+            out[salt] = out.get(salt, 0) + 1
+        return out

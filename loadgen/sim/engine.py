@@ -1,0 +1,337 @@
+"""The simulated engine core: vLLM V1's scheduler loop over the block pool, in wall-clock time.
+
+Each step (``vllm/v1/core/sched/scheduler.py``, FCFS):
+
+1. running requests first, in order, each taking up to the remaining token budget
+   (``max_num_batched_tokens``); when the pool cannot give one of them a block, the LAST running
+   request is preempted (blocks freed, progress reset, back to the front of the waiting queue)
+   until it fits or the request preempts itself;
+2. if nobody was preempted, waiting requests join while budget and ``max_num_seqs`` allow: a
+   prefix-cache lookup (plus the CPU tier, when present) decides how many tokens are already
+   computed, and a long prompt gets only the budget left (chunked prefill);
+3. the step "runs" for the time the profile gives, then every request whose scheduled tokens
+   reach the end of its sequence samples one token; finished requests free their blocks.
+
+The KV events produced during a step are flushed once at its end, as vLLM publishes one batch
+per engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadgen.sim.block_pool import BlockPool, KVEvent
+from loadgen.sim.cpu_tier import CpuTier
+from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
+from loadgen.sim.profiles import Profile
+from loadgen.sim.stats import EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Geometry and scheduling limits (vLLM flag names in comments)."""
+
+    num_blocks: int = 2048  # --num-gpu-blocks-override
+    block_size: int = 32  # --block-size
+    hash_seed: str = "0"  # PYTHONHASHSEED
+    max_num_batched_tokens: int = 2048  # --max-num-batched-tokens
+    max_num_seqs: int = 256  # --max-num-seqs
+    max_model_len: int = 131_072  # --max-model-len
+    cpu_blocks: int = 0  # CPU tier size in blocks (0: no tier)
+    speed: float = 1.0  # >1 runs faster than the profile
+    reply_tokens: int = 16  # length of the canned answer before EOS
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """End-of-stream marker put on a request's output queue."""
+
+    reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request in flight; the server reads tokens from ``outputs``."""
+
+    seq: Sequence
+    prompt_len: int
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    reply: list[int]
+    arrival: float
+    outputs: asyncio.Queue[int | Finished] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = -1  # set at first scheduling (usage.cached_tokens)
+    num_external_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    stored_to_cpu: bool = False
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    scheduled: list[tuple[SimRequest, int]]
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    loaded_tokens: int = 0
+    decodes: int = 0
+
+
+class EngineRejected(ValueError):
+    """The request can never run (too long for the model or the KV pool)."""
+
+
+class SimEngine:
+    """Owns the pool, the queues and the step loop task."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: Profile,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self.events: list[KVEvent] = []
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
+        self.kv = KVCacheManager(self.pool, BlockHashCache(config.block_size, config.hash_seed))
+        chunks = config.cpu_blocks * config.block_size // 256
+        self.cpu: CpuTier | None = (
+            CpuTier(chunks, config.block_size, config.hash_seed, self.events) if chunks else None
+        )
+        self.stats = EngineStats()
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._on_events = on_events
+        self._wake = asyncio.Event()
+        self._ids = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+        usable_tokens = (config.num_blocks - 1) * config.block_size
+        self.max_model_len = min(config.max_model_len, usable_tokens)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        cache_salt: str | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        reply: list[int],
+    ) -> SimRequest:
+        """Queue a request; raises :class:`EngineRejected` when it can never fit."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise EngineRejected("prompt is empty")
+        if n >= self.max_model_len:
+            raise EngineRejected(
+                f"prompt has {n} tokens; this engine's maximum context is {self.max_model_len}"
+            )
+        limit = self.max_model_len - n
+        seq = Sequence(f"req-{next(self._ids)}", list(prompt_ids), cache_salt)
+        req = SimRequest(
+            seq=seq,
+            prompt_len=n,
+            max_tokens=min(max_tokens, limit) if max_tokens is not None else limit,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            reply=reply or [0],
+            arrival=asyncio.get_running_loop().time(),
+        )
+        self.kv.hasher.update(seq)  # hash once at arrival, like vLLM's request.block_hashes
+        self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def abort(self, req: SimRequest) -> None:
+        """Drop a request (client went away); frees its blocks at once."""
+        if req.finish_reason is not None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.seq)
+        self._finish(req, "abort")
+        self.flush_events()
+
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """``POST /reset_prefix_cache``: refused while blocks are held unless asked to preempt."""
+        if reset_running:
+            while self.running:
+                self._preempt(self.running.pop())
+        ok = self.pool.reset_prefix_cache()
+        self.flush_events()
+        return ok
+
+    def flush_events(self) -> None:
+        if not self.events:
+            return
+        batch = list(self.events)
+        self.events.clear()
+        if self._on_events is not None:
+            self._on_events(batch)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.busy:
+                self._wake.clear()
+                await self._wake.wait()
+            plan = self._schedule()
+            if not plan.scheduled:
+                self.flush_events()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seconds = self.profile.step_seconds(
+                prefill_tokens=plan.prefill_tokens,
+                cached_tokens=plan.cached_tokens,
+                loaded_tokens=plan.loaded_tokens,
+                decodes=plan.decodes,
+            )
+            await asyncio.sleep(seconds / self.config.speed)
+            self._update(plan, loop.time())
+            self.flush_events()
+
+    def _schedule(self) -> _StepPlan:
+        plan = _StepPlan(scheduled=[])
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.seq.num_tokens - req.seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self._plan_add(plan, req, n)
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it can run either
+        if not preempted:
+            self._admit_waiting(plan, budget)
+        for req, n in plan.scheduled:
+            req.seq.num_computed_tokens += n
+        return plan
+
+    def _admit_waiting(self, plan: _StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            seq = req.seq
+            hits = self.kv.get_computed_blocks(seq, preempted=req.num_preemptions > 0)
+            local = len(hits) * self.config.block_size
+            external = self._external_hit(req, local)
+            n = min(seq.num_tokens - local - external, budget)
+            if not self.kv.allocate_slots(seq, n, local + external, hits):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            seq.num_computed_tokens = local + external
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = local + external
+                req.num_external_tokens = external
+            plan.cached_tokens += local
+            plan.loaded_tokens += external
+            self._plan_add(plan, req, n)
+            budget -= n
+
+    def _external_hit(self, req: SimRequest, local: int) -> int:
+        """Tokens beyond the local hit that the CPU tier can load (never the last token)."""
+        if self.cpu is None:
+            return 0
+        seq = req.seq
+        stored = self.cpu.lookup_prefix(seq.token_ids, seq.cache_salt)
+        external = max(0, min(stored, seq.num_tokens - 1) - local)
+        self.stats.external_queries += seq.num_tokens
+        self.stats.external_hits += external
+        return external
+
+    @staticmethod
+    def _plan_add(plan: _StepPlan, req: SimRequest, n: int) -> None:
+        plan.scheduled.append((req, n))
+        seq = req.seq
+        if n == 1 and req.output_ids and seq.num_computed_tokens == seq.num_tokens - 1:
+            plan.decodes += 1
+        else:
+            plan.prefill_tokens += n
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.kv.free(req.seq)
+        req.seq.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _update(self, plan: _StepPlan, now: float) -> None:
+        for req, _ in plan.scheduled:
+            seq = req.seq
+            if req.finish_reason is not None or seq.num_computed_tokens < seq.num_tokens:
+                continue  # aborted mid-step, or a prefill chunk that did not reach the end
+            self._store_to_cpu(req)
+            token = req.reply[len(req.output_ids) % len(req.reply)]
+            req.output_ids.append(token)
+            seq.token_ids.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.stats.observe_ttft(now - req.arrival)
+                self.stats.prompt_tokens += req.prompt_len
+            self.stats.generation_tokens += 1
+            req.outputs.put_nowait(token)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self.running.remove(req)
+                self.kv.free(seq)
+                self._finish(req, reason)
+
+    def _stop_reason(self, req: SimRequest) -> str | None:
+        produced = len(req.output_ids)
+        if produced >= req.max_tokens:
+            return "length"
+        if not req.ignore_eos and produced >= max(self.config.reply_tokens, req.min_tokens):
+            return "stop"
+        return None
+
+    def _store_to_cpu(self, req: SimRequest) -> None:
+        if self.cpu is None or req.stored_to_cpu:
+            return
+        req.stored_to_cpu = True
+        prompt = req.seq.token_ids[: req.prompt_len]
+        self.cpu.store(prompt, req.seq.block_hashes, req.seq.cache_salt)
+
+    def _finish(self, req: SimRequest, reason: str) -> None:
+        req.finish_reason = reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        req.outputs.put_nowait(Finished(reason))

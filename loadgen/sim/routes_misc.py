@@ -1,0 +1,74 @@
+"""vLLM's side routes: tokenize, models, health, metrics, KV-event sources, cache reset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from loadgen.sim.api import ENGINE, MODEL, TOKENIZER, _bad, _json_body, now
+from loadgen.sim.routes_openai import chat_prompt
+
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+EVENT_SOURCES = web.AppKey("event_sources", dict[str, Any])
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """Completion form ``{prompt}`` or chat form ``{messages, add_generation_prompt, tools}``."""
+    body = await _json_body(request)
+    if "messages" in body:
+        tokens = chat_prompt(body, request)
+    elif isinstance(body.get("prompt"), str):
+        tokens = request.app[TOKENIZER].encode(body["prompt"])
+    else:
+        raise _bad("give either prompt (a string) or messages")
+    engine = request.app[ENGINE]
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise _bad("tokens must be a list of integers")
+    return web.json_response({"prompt": request.app[TOKENIZER].decode(tokens)})
+
+
+async def models(request: web.Request) -> web.Response:
+    model = request.app[MODEL]
+    card = {"id": model, "object": "model", "created": now(), "owned_by": "vllm", "root": model,
+            "parent": None, "max_model_len": request.app[ENGINE].max_model_len}  # fmt: skip
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[REGISTRY])
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def kv_event_sources(request: web.Request) -> web.Response:
+    return web.json_response(request.app[EVENT_SOURCES])
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """Like vLLM (dev mode): HTTP 200 even when refused because requests hold blocks."""
+    reset_running = request.query.get("reset_running_requests", "").lower() == "true"
+    request.app[ENGINE].reset_prefix_cache(reset_running)
+    return web.Response(status=200)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)

@@ -1,0 +1,131 @@
+"""Engine counters and their Prometheus rendering under vLLM's metric names."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from loadgen.sim.engine import SimEngine
+
+# vLLM's buckets for vllm:time_to_first_token_seconds
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Plain counters the engine bumps on its hot path; rendered only when scraped."""
+
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_counts[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
+        self.ttft_sum += seconds
+
+
+class EngineCollector:
+    """A prometheus_client collector reading one engine at scrape time."""
+
+    def __init__(self, engine: SimEngine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        e, labels = self._engine, {"model_name": self._model, "engine": "0"}
+        kv = e.kv.stats
+        yield _counter("prefix_cache_queries", "Prefix cache queries (tokens)", kv.queries, labels)
+        yield _counter("prefix_cache_hits", "Prefix cache hits (tokens)", kv.hits, labels)
+        yield _counter(
+            "external_prefix_cache_queries",
+            "External (CPU tier) prefix cache queries (tokens)",
+            e.stats.external_queries,
+            labels,
+        )
+        yield _counter(
+            "external_prefix_cache_hits",
+            "External (CPU tier) prefix cache hits (tokens)",
+            e.stats.external_hits,
+            labels,
+        )
+        yield _counter("num_preemptions", "Cumulative preemptions", e.stats.preemptions, labels)
+        yield _counter("prompt_tokens", "Prefill tokens processed", e.stats.prompt_tokens, labels)
+        yield _counter(
+            "generation_tokens", "Generation tokens processed", e.stats.generation_tokens, labels
+        )
+        yield from self._gauges(labels)
+        yield self._success(labels)
+        yield self._ttft(labels)
+
+    def _gauges(self, labels: dict[str, str]) -> Iterator[Metric]:
+        e = self._engine
+        yield _gauge("kv_cache_usage_perc", "KV-cache usage, 1 = 100%", e.pool.usage, labels)
+        yield _gauge("num_requests_running", "Requests in the batch", len(e.running), labels)
+        yield _gauge("num_requests_waiting", "Requests waiting", len(e.waiting), labels)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching",
+                    "prefix_caching_hash_algo", "engine"],
+        )  # fmt: skip
+        c = e.config
+        info.add_metric(
+            [str(c.block_size), str(c.num_blocks), str(c.cpu_blocks), "True", "sha256_cbor", "0"],
+            1.0,
+        )
+        yield info
+
+    def _success(self, labels: dict[str, str]) -> Metric:
+        fam = CounterMetricFamily(
+            "vllm:request_success",
+            "Successfully processed requests",
+            labels=[*labels, "finished_reason"],
+        )
+        for reason, count in sorted(self._engine.stats.finished.items()):
+            fam.add_metric([*labels.values(), reason], count)
+        return fam
+
+    def _ttft(self, labels: dict[str, str]) -> Metric:
+        st = self._engine.stats
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*TTFT_BUCKETS, float("inf")), st.ttft_counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        fam = HistogramMetricFamily(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            labels=list(labels),
+        )
+        fam.add_metric(list(labels.values()), buckets, st.ttft_sum)
+        return fam
+
+
+def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
+    fam = CounterMetricFamily(f"vllm:{name}", doc, labels=list(labels))
+    fam.add_metric(list(labels.values()), value)
+    return fam
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:
+    fam = GaugeMetricFamily(f"vllm:{name}", doc, labels=list(labels))
+    fam.add_metric(list(labels.values()), value)
+    return fam

@@ -60,16 +60,31 @@ class GapDistribution:
         f_e = self.cdf(elapsed)
         return max(0.0, self.quantile(f_e + 0.5 * (1.0 - f_e)) - elapsed)
 
-    def expected_wait_within(self, window: float, elapsed: float = 0.0, steps: int = 16) -> float:
-        """E[min(time to resume, window)] given no resume so far (never-returns wait the window).
+    def expected_wait_within(self, window: float, elapsed: float = 0.0) -> float:
+        """E[min(time to resume, window)] given no resume during the first ``elapsed`` s.
 
-        Trapezoid integral of the conditional survival function over ``steps`` points.
+        Sessions that never return wait the whole window. Closed form, via the log-normal's
+        partial expectation ``E[T; a < T <= b] = exp(mu + sigma^2 / 2) * (Phi(zb') - Phi(za'))``
+        with ``z' = (log x - mu - sigma^2) / sigma``.
         """
         if window <= 0:
             return 0.0
-        h = window / steps
-        survival = [1.0 - self.p_resume_within(i * h, elapsed) for i in range(steps + 1)]
-        return h * (sum(survival) - 0.5 * (survival[0] + survival[-1]))
+        end = elapsed + window
+        f_e, f_end = self.cdf(elapsed), self.cdf(end)
+        alive = 1.0 - self.p_return * f_e
+        if alive <= _EPS:
+            return 0.0
+        returning = self._partial_mean(elapsed, end) - elapsed * (f_end - f_e)
+        returning += window * (1.0 - f_end)
+        return (self.p_return * returning + (1.0 - self.p_return) * window) / alive
+
+    def _partial_mean(self, a: float, b: float) -> float:
+        def phi(x: float) -> float:
+            if x <= 0:
+                return 0.0
+            return _STD.cdf((math.log(x) - self.mu - self.sigma**2) / self.sigma)
+
+        return math.exp(self.mu + 0.5 * self.sigma**2) * (phi(b) - phi(a))
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ still cached it recomputes only the uncached tail (at most one block): cheap ins
 Rules applied by :func:`plan_touches`, in order:
 
 1. a session whose ``ttl_until`` has passed is expired, never touched;
-2. a session with a touch in flight is skipped (and its touch occupies a concurrency slot);
+2. a session with a touch in flight is skipped; its touch occupies a concurrency slot (even
+   when the session has just expired);
 3. a session is due when ``age >= safety_fraction * horizon`` (age = now - last use or touch);
    with an unknown horizon nothing is due unless ``unknown_horizon_interval_s`` is set;
 4. due sessions still inside the horizon come first, oldest first (closest to eviction), then
@@ -101,11 +102,12 @@ def plan_touches(
     in_flight = 0
     next_due = math.inf
     for s in sessions:
+        # A touch in flight loads the engine even if its session has just expired.
+        in_flight += s.touch_in_flight
         if now >= s.ttl_until:
             expire.append(s.session_id)
             continue
         if s.touch_in_flight:
-            in_flight += 1
             continue
         due_at = s.last_active_at + interval
         if now < due_at:

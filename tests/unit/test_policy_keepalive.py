@@ -47,11 +47,13 @@ def test_plan_orders_savable_then_lost_and_caps_concurrency() -> None:
     assert plan.next_due_at == 1030.0
 
 
-def test_in_flight_touches_can_take_every_slot() -> None:
-    sessions = [S("a", 800.0, flight=True), S("b", 800.0)]
+@pytest.mark.parametrize("ttl", [5000.0, 999.0])
+def test_in_flight_touches_can_take_every_slot(ttl: float) -> None:
+    sessions = [S("a", 800.0, flight=True, ttl=ttl), S("b", 800.0)]
     plan = plan_touches(sessions, HORIZON, NOW, KeepaliveConfig(max_concurrent_touches=1))
     assert plan.touch == ()
     assert plan.deferred == ("b",)
+    assert plan.expire == (() if ttl > NOW else ("a",))
 
 
 @pytest.mark.parametrize(

@@ -211,6 +211,35 @@ class LMCacheAdapter:
         # A skipped key keeps (at most) one chunk alive; counts are per key, chunks per prefix.
         return DeleteResult(max(0, len(stored) - skipped), deleted, skipped, unpinned)
 
+    async def prefetch_to_l1(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        timeout_s: float = 30.0,
+        poll_s: float = 0.2,
+    ) -> int:
+        """Load the prefix's chunks from L2 (disk) into the MP server's L1; returns keys found.
+
+        Needs an engine attached to the server (it registers the KV layout; without one the
+        server answers 503). Shortens the engine's later load, which then reads from memory.
+        """
+        reply = await self._call(
+            "POST", self._server("/cache/prefetches"), self._tokens(token_ids, cache_salt)
+        )
+        request_id = str(reply.get("request_id", ""))
+        if not request_id:  # "noop": shorter than one chunk
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            state = await self._call("GET", self._server(f"/cache/prefetches/{request_id}"))
+            if state.get("status") == "completed":
+                return int(state.get("found_keys", 0))
+            if loop.time() >= deadline:
+                raise AdapterError(f"LMCache prefetch {request_id} not done after {timeout_s}s")
+            await asyncio.sleep(poll_s)
+
     async def pin_counts(
         self, token_ids: Sequence[int], *, cache_salt: str | None = None
     ) -> dict[str, int]:

@@ -91,7 +91,8 @@ stop_one() {  # $1 = name: TERM the process group, KILL after 15 s
 stop() {
   stop_one server
   stop_one coordinator
-  rm -f "/dev/shm/lmc_shm_$MP_PORT"*
+  # The server names its L1 pool after --shm-name; a killed server leaves it behind.
+  rm -f "/dev/shm/lmcache_l1_pool_lmc_shm_$MP_PORT" "/dev/shm/lmc_shm_$MP_PORT"
 }
 
 status() {

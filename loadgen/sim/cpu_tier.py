@@ -5,7 +5,9 @@ every full chunk of its prompt is stored (or refreshed to most-recently-used). S
 the device tier later evicts are still here and a new request can load them back instead of
 recomputing them. Only full chunks are stored (LMCache observed: an 830-token prompt stored
 three 256-token chunks). Pinned chunks are never evicted by LRU; explicit deletes and clears
-still remove them (as LMCache's explicit L2 delete does).
+still remove them (as LMCache's explicit L2 delete does). Pins are counted per chunk key and
+exist independently of storage, as on LMCache's coordinator: pinning a prefix protects its
+chunks stored later too; each unpin lowers the count by one.
 
 Chunk keys chain over chunks (``chunk[i] = h(chunk[i-1], tokens, salt on chunk 0)``), so a key
 names a whole prefix, like LMCache's own chunk hashes. Events for this tier carry vLLM's block
@@ -35,7 +37,6 @@ class Chunk:
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
-    pinned: bool = False
     access_count: int = 0
 
 
@@ -58,6 +59,7 @@ class CpuTier:
         self.events = events
         self._seed = hash_seed
         self.chunks: OrderedDict[str, Chunk] = OrderedDict()
+        self.pins: dict[str, int] = {}  # chunk key -> pin count
 
     def chunk_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[str]:
         """Keys of every full chunk of ``token_ids``."""
@@ -116,7 +118,7 @@ class CpuTier:
 
     def _make_room(self) -> bool:
         while len(self.chunks) >= self.capacity:
-            victim = next((k for k, c in self.chunks.items() if not c.pinned), None)
+            victim = next((k for k in self.chunks if k not in self.pins), None)
             if victim is None:
                 return False  # everything pinned: skip storing, like a full pinned L1
             self.remove(victim)
@@ -129,15 +131,23 @@ class CpuTier:
         self.events.append(BlockRemoved([event_id(h) for h in chunk.block_hashes], MEDIUM_CPU))
         return True
 
-    def set_pinned(self, token_ids: Sequence[int], cache_salt: str | None, pinned: bool) -> int:
-        """Pin or unpin the stored chunks of a prefix; returns chunks affected."""
-        affected = 0
-        for key in self.chunk_keys(token_ids, cache_salt):
-            chunk = self.chunks.get(key)
-            if chunk is not None:
-                chunk.pinned = pinned
-                affected += 1
-        return affected
+    def pin(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Pin every full-chunk key of a prefix (stored or not); returns keys pinned."""
+        keys = self.chunk_keys(token_ids, cache_salt)
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+        return len(keys)
+
+    def unpin(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Lower each key's pin count by one; returns the keys the prefix resolves to."""
+        keys = self.chunk_keys(token_ids, cache_salt)
+        for key in keys:
+            count = self.pins.get(key, 0) - 1
+            if count > 0:
+                self.pins[key] = count
+            else:
+                self.pins.pop(key, None)
+        return len(keys)
 
     def clear(self) -> int:
         keys = list(self.chunks)

@@ -6,9 +6,14 @@ The real stack splits it over two processes (reference/cpu-lmcache.md): the coor
 ``DELETE /cache/objects``, ``/quota/{cache_salt}``). Their paths do not collide, so the
 simulator serves both on ``--lmcache-port``; point both of an adapter's URLs at it.
 
-Simulator specifics: one tier, reported as ``"l1"`` / ``"dram"``; ``model_name`` must equal the
-simulator's ``--model`` (else no placements, as with the real coordinator); quotas are stored
-and reported but not enforced (as with the real ``LRU`` policy).
+Shapes follow cpu-lmcache.md and ``adapters/lmcache.py`` (pin counts per key, paged
+``GET /cache/pins``, ``/instances`` giving each MP server's ``ip``/``http_port``).
+
+Simulator specifics: one tier, reported as ``"l1"`` / ``"dram"`` (``DELETE /cache/objects``
+with tier ``l1``, ``l2`` or ``all`` addresses it); ``model_name`` must equal the simulator's
+``--model`` (else no placements, as with the real coordinator); quotas are stored and reported
+but not enforced (as with the real ``LRU`` policy); ``/cache/prefetches`` completes at once
+(there is no slower tier to load from).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from loadgen.sim.engine import SimEngine
 
 INSTANCE_ID = "sim-lmcache-0"
 QUOTAS = web.AppKey("quotas", dict[str, float])
+ADDRESS = web.AppKey("address", dict[str, Any])  # {"ip", "http_port"} once bound
+PREFETCHES = web.AppKey("prefetches", dict[str, int])
 
 
 def _tier(request: web.Request) -> CpuTier:
@@ -53,7 +60,13 @@ def _tokens(body: dict[str, Any]) -> list[int]:
 
 def _key(request: web.Request, key: str, salt: str | None) -> dict[str, Any]:
     return {"chunk_hash_hex": key, "model_name": request.app[MODEL], "kv_rank": 0,
-            "object_group_id": 0, "cache_salt": salt}  # fmt: skip
+            "object_group_id": 0, "cache_salt": salt or ""}  # fmt: skip
+
+
+def _salt(body: dict[str, Any]) -> str | None:
+    """LMCache spells "no salt" as ""; the engine as None."""
+    salt = body.get("cache_salt")
+    return str(salt) if salt else None
 
 
 def _model_matches(request: web.Request, body: dict[str, Any]) -> bool:
@@ -65,7 +78,7 @@ async def lookup(request: web.Request) -> web.Response:
     """``{"chunks": n, "results": [{key, placements, access_count}]}``, one per full chunk."""
     body = await _body(request)
     tier, engine = _tier(request), request.app[ENGINE]
-    salt = body.get("cache_salt")
+    salt = _salt(body)
     keys = tier.chunk_keys(_tokens(body), salt)
     match = _model_matches(request, body)
     results = []
@@ -73,7 +86,7 @@ async def lookup(request: web.Request) -> web.Response:
         chunk = tier.chunks.get(key) if match else None
         placements = (
             [{"instance_id": INSTANCE_ID, "tier": "l1", "backend": "dram",
-              "size_bytes": _chunk_bytes(engine, tier), "pinned": chunk.pinned}]
+              "size_bytes": _chunk_bytes(engine, tier)}]
             if chunk is not None else []
         )  # fmt: skip
         results.append({"key": _key(request, key, salt), "placements": placements,
@@ -90,33 +103,45 @@ async def unpin(request: web.Request) -> web.Response:
 
 
 async def _set_pins(request: web.Request, *, pinned: bool) -> web.Response:
+    """Pins count per key, stored or not; ``affected`` is the keys the full chunks resolve to."""
     body = await _body(request)
-    tier, tokens, salt = _tier(request), _tokens(body), body.get("cache_salt")
+    tier, tokens, salt = _tier(request), _tokens(body), _salt(body)
     requested = len(tokens) // tier.chunk_tokens
-    affected = tier.set_pinned(tokens, salt, pinned) if _model_matches(request, body) else 0
+    affected = 0
+    if _model_matches(request, body):
+        affected = tier.pin(tokens, salt) if pinned else tier.unpin(tokens, salt)
     status = "pinned" if pinned else "unpinned"
     return web.json_response({"requested": requested, "affected": affected, "status": status})
 
 
 async def list_pins(request: web.Request) -> web.Response:
+    """Paged: ``?offset=&limit=``; ``{"pins": [{"key", "pin_count"}], "total"}``."""
     tier = _tier(request)
-    pins = [_key(request, c.key, c.cache_salt) for c in tier.chunks.values() if c.pinned]
-    return web.json_response({"count": len(pins), "pins": pins})
+    salts = {key: c.cache_salt for key, c in tier.chunks.items()}
+    rows = [{"key": _key(request, key, salts.get(key)), "pin_count": count}
+            for key, count in sorted(tier.pins.items())]  # fmt: skip
+    offset = int(request.query.get("offset", "0"))
+    limit = int(request.query.get("limit", "1000"))
+    return web.json_response({"pins": rows[offset : offset + limit], "total": len(rows)})
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "healthy"})
 
 
 async def instances(request: web.Request) -> web.Response:
-    return web.json_response({"instances": [{"instance_id": INSTANCE_ID, "status": "alive"}]})
+    addr = request.app[ADDRESS]
+    return web.json_response(
+        {"instances": [{"instance_id": INSTANCE_ID, "status": "alive", **addr}]}
+    )
 
 
 async def instances_usage(request: web.Request) -> web.Response:
     tier, engine = _tier(request), request.app[ENGINE]
     size = _chunk_bytes(engine, tier)
-    l1 = {"used_bytes": len(tier.chunks) * size, "capacity_bytes": tier.capacity * size}
-    return web.json_response({"instances": {INSTANCE_ID: {"l1": l1}}})
+    module = {"tier": "l1", "backend": "dram", "used_bytes": len(tier.chunks) * size,
+              "capacity_bytes": tier.capacity * size}  # fmt: skip
+    return web.json_response({"instances": [{"instance_id": INSTANCE_ID, "modules": [module]}]})
 
 
 # -- MP server ---------------------------------------------------------------------------------
@@ -134,11 +159,31 @@ async def status(request: web.Request) -> web.Response:
     used, total = len(tier.chunks) * size, tier.capacity * size
     l1 = {"total_object_count": len(tier.chunks), "memory_used_bytes": used,
           "memory_total_bytes": total, "memory_usage_ratio": used / total if total else 0.0,
-          "pinned_object_count": sum(c.pinned for c in tier.chunks.values()),
           "write_ttl_seconds": None, "read_ttl_seconds": None}  # fmt: skip
+    storage = {"l1_managers": {"default": l1}, "l1_manager": l1, "l2_adapters": []}
     return web.json_response(
-        {"storage_manager": {"l1_manager": l1}, "l2_adapters": [], "worker_liveness": {}}
+        {"chunk_size": tier.chunk_tokens, "storage_manager": storage, "worker_liveness": {}}
     )
+
+
+async def prefetch(request: web.Request) -> web.Response:
+    """Nothing to move in a one-tier simulator: completes at once with the keys found."""
+    body = await _body(request)
+    tier, tokens = _tier(request), _tokens(body)
+    keys = tier.chunk_keys(tokens, _salt(body))
+    if not keys:
+        return web.json_response({"status": "noop"})
+    found = sum(1 for k in keys if k in tier.chunks) if _model_matches(request, body) else 0
+    request_id = f"prefetch-{len(request.app[PREFETCHES])}"
+    request.app[PREFETCHES][request_id] = found
+    return web.json_response({"request_id": request_id, "status": "submitted"})
+
+
+async def prefetch_state(request: web.Request) -> web.Response:
+    found = request.app[PREFETCHES].get(request.match_info["request_id"])
+    if found is None:
+        raise web.HTTPNotFound(text="unknown prefetch request")
+    return web.json_response({"status": "completed", "found_keys": found})
 
 
 async def clear(request: web.Request) -> web.Response:
@@ -180,7 +225,7 @@ async def put_quota(request: web.Request) -> web.Response:
 async def get_quota(request: web.Request) -> web.Response:
     salt = request.match_info["salt"]
     quotas = request.app[QUOTAS]
-    return web.json_response({"cache_salt": salt, "limit_gb": quotas.get(salt),
+    return web.json_response({"cache_salt": salt, "limit_gb": quotas.get(salt, 0.0),
                               "current_usage_gb": _usage_gb(request).get(salt, 0.0),
                               "exists": salt in quotas})  # fmt: skip
 
@@ -207,6 +252,7 @@ def _usage_gb(request: web.Request) -> dict[str, float]:
 def create_lmcache_app(engine: SimEngine, model: str) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app[ENGINE], app[MODEL], app[QUOTAS] = engine, model, {}
+    app[ADDRESS], app[PREFETCHES] = {}, {}
     r = app.router
     r.add_post("/directory/lookup", lookup)
     r.add_post("/cache/pins", pin)
@@ -219,6 +265,8 @@ def create_lmcache_app(engine: SimEngine, model: str) -> web.Application:
     r.add_get("/version", version)
     r.add_get("/status", status)
     r.add_post("/cache/clear", clear)
+    r.add_post("/cache/prefetches", prefetch)
+    r.add_get("/cache/prefetches/{request_id}", prefetch_state)
     r.add_delete("/cache/objects", delete_objects)
     r.add_get("/quota", all_quotas)
     r.add_put("/quota/{salt}", put_quota)

@@ -30,7 +30,7 @@ from loadgen.sim import routes_misc, routes_openai
 from loadgen.sim.api import ENGINE, MODEL, REPLY, TOKENIZER, error_middleware
 from loadgen.sim.engine import EngineConfig, SimEngine
 from loadgen.sim.events import EventPublisher
-from loadgen.sim.lmcache_api import create_lmcache_app
+from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
 from loadgen.sim.profiles import get_profile
 from loadgen.sim.stats import EngineCollector
 from loadgen.sim.tokenizer import SimTokenizer
@@ -152,10 +152,10 @@ async def run_simulator(config: SimConfig) -> AsyncIterator[Simulator]:
         runners.append(runner)
         lmcache_url = None
         if engine.cpu is not None:
-            lm_runner, lm_port = await _start_site(
-                create_lmcache_app(engine, config.model), config.host, config.lmcache_port
-            )
+            lm_app = create_lmcache_app(engine, config.model)
+            lm_runner, lm_port = await _start_site(lm_app, config.host, config.lmcache_port)
             runners.append(lm_runner)
+            lm_app[ADDRESS].update(ip=_http_host(config.host), http_port=lm_port)
             lmcache_url = f"http://{_http_host(config.host)}:{lm_port}"
         yield Simulator(
             url=f"http://{_http_host(config.host)}:{port}",

@@ -132,7 +132,7 @@ def test_cpu_tier_lru_respects_pins() -> None:
     hz = BlockHasher(32, "0").digests(z)
     assert tier.store(x, hx, None) == 1
     assert tier.store(y, hy, None) == 1
-    assert tier.set_pinned(x, None, True) == 1
+    assert tier.pin(x, None) == 1
     assert tier.store(z, hz, None) == 1  # evicts y (x is pinned though older)
     assert tier.lookup_prefix(x, None) == 256
     assert tier.lookup_prefix(y, None) == 0
@@ -140,6 +140,12 @@ def test_cpu_tier_lru_respects_pins() -> None:
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert removed[0].block_hashes == BlockHasher(32, "0").block_ids(y)
     assert removed[0].medium == MEDIUM_CPU
+    assert tier.pin(x, None) == 1  # pin count 2
+    assert tier.unpin(x, None) == 1
+    assert tier.pins == {tier.chunk_keys(x, None)[0]: 1}
+    tier.unpin(x, None)
+    assert tier.store(y, hy, None) == 1  # x is evictable again: LRU order x (older), z
+    assert tier.lookup_prefix(x, None) == 0
 
 
 async def test_cpu_profile_timing_matches_the_measured_engine(make_engine: Factory) -> None:

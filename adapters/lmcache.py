@@ -88,7 +88,7 @@ class DeleteResult:
 
     chunks: int  # stored chunks of the prefix that were deleted
     deleted_keys: dict[str, int]  # per tier, as the MP servers reported
-    skipped_keys: int  # refused by a server (locked L1 objects) or on an unknown instance
+    skipped_keys: int  # refused by a server (locked L1 objects, keys it does not hold)
     unpinned: int  # pins released (the highest pin count among the prefix's keys)
 
 
@@ -199,10 +199,10 @@ class LMCacheAdapter:
         deleted: dict[str, int] = dict.fromkeys(TIERS, 0)
         skipped = 0
         for (instance_id, tier), keys in groups.items():
-            url = urls.get(instance_id)
-            if url is None:  # deregistered server: its bytes are out of reach from here
-                skipped += len(keys)
-                continue
+            # A server the registry gives no address for (a single-server deployment that
+            # does not register, or one gone since): try the configured server; keys it
+            # does not hold come back as skipped.
+            url = urls.get(instance_id, self.config.server_url.rstrip("/"))
             body = {"keys": keys, "tier": tier, "force": force}
             reply = await self._call("DELETE", f"{url}/cache/objects", body)
             deleted[tier] = deleted.get(tier, 0) + int(reply.get("deleted", 0))
@@ -364,12 +364,15 @@ class LMCacheAdapter:
         body: dict[str, Any] | None = None,
         *,
         params: dict[str, str] | None = None,
-    ) -> Any:
+    ) -> dict[str, Any]:
         request = self._http.request(method, url, json=body, params=params, timeout=self._timeout)
         async with _map_errors(method, url), request as resp:
             if resp.status >= 400:
                 raise EngineRejected(resp.status, _detail(await resp.text()))
-            return await resp.json(content_type=None)
+            reply = await resp.json(content_type=None)
+        if not isinstance(reply, dict):  # every route answers an object; anything else is drift
+            raise AdapterError(f"LMCache {method} {url}: expected a JSON object, got {reply!r:.80}")
+        return reply
 
 
 @asynccontextmanager

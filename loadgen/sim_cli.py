@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens,
                    help="token budget per step (chunked prefill)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs, help="batch size cap")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=_D.long_prefill_token_threshold,
+                   help="cap on one request's prefill chunk per step, so a long prompt shares "
+                        "steps with others (0: off, vLLM's default)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=_D.max_model_len, help="context cap")
     p.add_argument("--reply-tokens", type=int, default=_D.reply_tokens,
                    help="length of the canned answer before EOS")  # fmt: skip
@@ -72,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         lmcache_port=args.lmcache_port,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         reply_tokens=args.reply_tokens,
     )

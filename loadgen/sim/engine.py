@@ -41,6 +41,7 @@ class EngineConfig:
     hash_seed: str = "0"  # PYTHONHASHSEED
     max_num_batched_tokens: int = 2048  # --max-num-batched-tokens
     max_num_seqs: int = 256  # --max-num-seqs
+    long_prefill_token_threshold: int = 0  # --long-prefill-token-threshold (0: off)
     max_model_len: int = 131_072  # --max-model-len
     cpu_blocks: int = 0  # CPU tier size in blocks (0: no tier)
     speed: float = 1.0  # >1 runs faster than the profile
@@ -225,7 +226,7 @@ class SimEngine:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.seq.num_tokens - req.seq.num_computed_tokens, budget)
+            n = min(self._cap(req.seq.num_tokens - req.seq.num_computed_tokens), budget)
             if n <= 0:
                 i += 1
                 continue
@@ -254,7 +255,7 @@ class SimEngine:
             hits = self.kv.get_computed_blocks(seq, preempted=req.num_preemptions > 0)
             local = len(hits) * self.config.block_size
             external = self._external_hit(req, local)
-            n = min(seq.num_tokens - local - external, budget)
+            n = min(self._cap(seq.num_tokens - local - external), budget)
             if not self.kv.allocate_slots(seq, n, local + external, hits):
                 break
             self.waiting.popleft()
@@ -278,6 +279,11 @@ class SimEngine:
         self.stats.external_queries += seq.num_tokens
         self.stats.external_hits += external
         return external
+
+    def _cap(self, n: int) -> int:
+        """vLLM's ``long_prefill_token_threshold``: bounds one request's chunk per step."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < n else n
 
     @staticmethod
     def _plan_add(plan: _StepPlan, req: SimRequest, n: int) -> None:

@@ -61,6 +61,7 @@ class SimConfig:
     lmcache_port: int = 0  # used only with cpu_blocks > 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
     max_model_len: int = 131_072
     reply_tokens: int = 16
 
@@ -71,6 +72,7 @@ class SimConfig:
             hash_seed=self.hash_seed,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
             cpu_blocks=self.cpu_blocks,
             speed=self.speed,

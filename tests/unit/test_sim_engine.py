@@ -174,3 +174,21 @@ def test_tokenizer_round_trips_and_chat_prefixes_are_stable() -> None:
     short_ids = tok.apply_chat_template(history, add_generation_prompt=False)
     long_ids = tok.apply_chat_template(longer)
     assert long_ids[: len(short_ids)] == short_ids
+
+
+async def test_long_prefill_threshold_lets_decodes_share_steps(make_engine: Factory) -> None:
+    engine, published = make_engine(
+        num_blocks=128, max_num_batched_tokens=512, long_prefill_token_threshold=128
+    )
+    talker = engine.add_request([1, 2, 3], max_tokens=40, ignore_eos=True, reply=REPLY)
+    await talker.outputs.get()  # decoding
+    long = engine.add_request(list(range(100, 1100)), max_tokens=1, reply=REPLY)
+    await asyncio.gather(drain(talker), drain(long))
+    chunks = [
+        len(e.block_hashes)
+        for e in published
+        if isinstance(e, BlockStored) and e.token_ids[0] >= 100  # the long prompt's blocks
+    ]
+    # 1,000 tokens in 128-token chunks: 4 full blocks cached per step (the last: 3)
+    assert chunks == [4, 4, 4, 4, 4, 4, 4, 3]
+    assert len(talker.output_ids) == 40

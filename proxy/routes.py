@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 
-from aiohttp import web
+from aiohttp import ClientResponse, web
 
 from proxy.context import encode_context
 from proxy.edits import outcome_header
@@ -21,6 +21,7 @@ log = logging.getLogger("kvkeeper.routes")
 
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 HINT_HEADER = "X-KVKeeper-Hint"
+_BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in one write
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
@@ -53,39 +54,27 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if upstream.status >= 400 and "json" not in upstream.content_type:
         detail = (await upstream.read())[:200].decode(errors="replace")
         upstream.release()
+        engine.inflight -= 1
         rt.metrics.requests.labels(route, str(upstream.status)).inc()
         raise UpstreamError(
             f"engine {engine.name} answered {upstream.status}: {detail}",
             status=upstream.status,
             code="upstream_error",
         )
-    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-    resp.headers.extend(response_headers(upstream.headers))
-    resp.headers["X-Request-Id"] = request_id
-    resp.headers["X-KVKeeper-Engine"] = engine.name
+    outcome = None
     if reg is not None:
-        resp.headers[HINT_HEADER] = reg.outcome + (
-            "; edits=deferred" if hint and hint.edits else ""
-        )
-    if upstream.content_length is not None:
-        resp.content_length = upstream.content_length
+        outcome = reg.outcome + ("; edits=deferred" if hint and hint.edits else "")
     sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
-    engine.inflight += 1
     try:
-        await resp.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            if sniffer.first_byte_at is None:
-                sniffer.first_byte_at = time.perf_counter()
-                rt.metrics.ttft.labels(route).observe(sniffer.first_byte_at - sent_at)
-            sniffer.feed(chunk)
-            await resp.write(chunk)
-        await resp.write_eof()
+        resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
     except BaseException:  # client gone or cancelled: drop the engine's connection now
         upstream.close()
         raise
     finally:
         engine.inflight -= 1
         upstream.release()
+    if sniffer.first_byte_at is not None:
+        rt.metrics.ttft.labels(route).observe(sniffer.first_byte_at - sent_at)
     rt.metrics.upstream_latency.labels(route).observe(time.perf_counter() - sent_at)
     rt.metrics.requests.labels(route, str(upstream.status)).inc()
     usage = sniffer.finish()
@@ -95,6 +84,45 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if hint is not None and reg is not None and reg.upserted is not None and upstream.status < 400:
         rt.spawn(_after(rt, tenant, hint, route, parsed.body, engine, usage))
     return resp
+
+
+async def _relay(
+    request: web.Request,
+    upstream: ClientResponse,
+    sniffer: UsageSniffer,
+    engine: str,
+    request_id: str,
+    outcome: str | None,
+) -> web.StreamResponse:
+    """Send the engine's answer to the client unchanged (headers filtered, ours added)."""
+    headers = response_headers(upstream.headers)
+    headers["X-Request-Id"] = request_id
+    headers["X-KVKeeper-Engine"] = engine
+    if outcome is not None:
+        headers[HINT_HEADER] = outcome
+    size = upstream.content_length
+    if not sniffer.sse and size is not None and size <= _BUFFER_LIMIT:
+        # a small complete body: one write for headers + body instead of two
+        body = await upstream.read()
+        sniffer.first_byte_at = time.perf_counter()
+        sniffer.feed(body)
+        resp = web.Response(
+            status=upstream.status, reason=upstream.reason, body=body, headers=headers
+        )
+        await resp.prepare(request)
+        await resp.write_eof()
+        return resp
+    stream = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    if size is not None:
+        stream.content_length = size
+    await stream.prepare(request)
+    async for chunk in upstream.content.iter_any():
+        if sniffer.first_byte_at is None:
+            sniffer.first_byte_at = time.perf_counter()
+        sniffer.feed(chunk)
+        await stream.write(chunk)
+    await stream.write_eof()
+    return stream
 
 
 async def _after(

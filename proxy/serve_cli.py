@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -78,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
     )
     engines = ", ".join(e.url for e in settings.engines)
     print(f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}", flush=True)
+    try:  # uvloop: a faster event loop where available (Linux, macOS)
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     web.run_app(
         app,
         host=settings.host,

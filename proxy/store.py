@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 
+from proxy.batching import ScriptBatcher
 from proxy.hints import Hint
 from proxy.settings import Limits
 
@@ -156,9 +157,9 @@ class SessionStore:
         self._cooldown_s = cooldown_s
         self._down_until = 0.0
         self._on_error = on_error
-        self._upsert = redis.register_script(_script("upsert.lua"))
-        self._complete = redis.register_script(_script("complete.lua"))
-        self._free = redis.register_script(_script("free.lua"))
+        self.scripts = ScriptBatcher(
+            redis, {name: _script(f"{name}.lua") for name in ("upsert", "complete", "free")}
+        )
 
     # --- keys ---------------------------------------------------------------------------------
     def key(self, kind: str, tenant: str, sid: str) -> str:
@@ -226,7 +227,7 @@ class SessionStore:
             repr(now - self.limits.idle_expiry_s),
         ]
         status, created, engine, parent_engine = await self._call(
-            lambda: self._upsert(keys=keys, args=args)
+            lambda: self.scripts.call("upsert", keys, args)
         )
         if status != b"ok":
             raise StoreRejected(status.decode())
@@ -256,7 +257,7 @@ class SessionStore:
             self.limits.idle_expiry_s,
             sid,
         ]
-        return bool(await self._call(lambda: self._complete(keys=keys, args=args)))
+        return bool(await self._call(lambda: self.scripts.call("complete", keys, args)))
 
     # --- reads ----------------------------------------------------------------------------------
     async def get(self, tenant: str, sid: str) -> Session | None:
@@ -327,7 +328,7 @@ class SessionStore:
     async def free(self, tenant: str, sid: str, *, tree: bool = False) -> list[str]:
         """Free one session (children detached) or its tree (children first). [] if not found."""
         args: list[str | int] = [self.ns, tenant, sid, "1" if tree else "0", 100_000]
-        freed = await self._call(lambda: self._free(keys=[], args=args))
+        freed = await self._call(lambda: self.scripts.call("free", [], args))
         return [s.decode() for s in freed]
 
     async def due(self, now: float, limit: int = 512) -> list[tuple[str, str]]:

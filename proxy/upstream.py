@@ -148,21 +148,28 @@ class EnginePool:
         headers: CIMultiDict[str],
         body: bytes,
     ) -> tuple[Engine, aiohttp.ClientResponse]:
-        """Send the request to the first engine that accepts it (first-byte failover)."""
+        """Send the request to the first engine that accepts it (first-byte failover).
+
+        The chosen engine's ``inflight`` count includes this request; the caller decrements it.
+        """
         last: str = "no engine configured"
         for attempt, engine in enumerate(order):
+            engine.inflight += 1  # the caller decrements once the response is relayed
             try:
                 resp = await self.client.request(
                     method, engine.url + path, data=body, headers=headers, allow_redirects=False
                 )
-            except _CONNECT_ERRORS as exc:
+            except BaseException as exc:
+                engine.inflight -= 1
+                if not isinstance(exc, _CONNECT_ERRORS):
+                    if isinstance(exc, TimeoutError):
+                        self.metrics.upstream_errors.labels(engine.name, "timeout").inc()
+                        raise UpstreamError(f"engine {engine.name} timed out", status=504) from None
+                    raise
                 last = f"{engine.name}: {type(exc).__name__}: {exc}"
                 self.metrics.upstream_errors.labels(engine.name, "connect").inc()
                 self.mark(engine, False, str(exc))
                 continue
-            except TimeoutError:
-                self.metrics.upstream_errors.labels(engine.name, "timeout").inc()
-                raise UpstreamError(f"engine {engine.name} timed out", status=504) from None
             if attempt:
                 self.metrics.failovers.inc()
             if not engine.healthy:

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""What kvkeeper costs on the request path, side by side in one run.
+
+Targets, all in front of the SAME fast upstream (a tiny OpenAI-compatible server that answers
+immediately), each in its own process: ``direct`` (no proxy), ``kvkeeper`` unhinted, ``kvkeeper``
+hinted (agent_hint session + TTL: a Redis Lua upsert before forwarding, usage + context recorded
+after), and the Rust ``vllm-router`` (PyPI 0.1.17, ``--policy cache_aware``) when installed.
+
+For concurrency 1, 16 and 128 it reports p50/p99 latency added over ``direct``, throughput
+relative to ``direct``, and CPU time per request of the proxy process (from /proc, the figure
+a noisy shared machine disturbs least). Rounds are interleaved so drift hits all targets alike.
+
+    python scripts/bench_proxy_overhead.py [--requests 2000] [--rounds 3] [--router PATH]
+
+Writes results/proxy_overhead.json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+BODY = {"model": "bench", "messages": [{"role": "user", "content": "Say hi. " * 40}], "max_tokens": 8}
+ANSWER = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 90, "completion_tokens": 1, "total_tokens": 91, "prompt_tokens_details": {"cached_tokens": 64}},
+    }
+).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the upstream (run in its own process with --serve-upstream) -----------------------------
+def serve_upstream(port: int) -> None:
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=ANSWER, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# --- processes ---------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its live children, from /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        pids += [int(c) for c in children]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+async def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status < 500:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up within {timeout_s}s")
+
+
+def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log = open(ROOT / "results" / f"bench-{Path(cmd[0]).name}-{len(cmd)}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# --- load ----------------------------------------------------------------------------------------
+async def load(url: str, n: int, concurrency: int, headers: dict[str, str], hinted: bool) -> tuple[list[float], float]:
+    lat: list[float] = []
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        queue = iter(range(n))
+
+        async def worker(w: int) -> None:
+            for i in queue:
+                body = BODY
+                if hinted:  # a few hundred sessions, each with a TTL, like an agent swarm
+                    body = {**BODY, "agent_hint": {"session_id": f"s{(w * 7919 + i) % 500}", "cache_control": {"type": "ephemeral", "ttl": 300}}}
+                t0 = time.perf_counter()
+                async with s.post(url, json=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"{url} answered {r.status}")
+                lat.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return lat, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,16,128")
+    ap.add_argument("--router", default=shutil.which("vllm-router"), help="vllm-router executable")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_overhead.json")
+    args = ap.parse_args()
+
+    up_port, kvk_port, router_port, redis_port = free_port(), free_port(), free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    procs = [spawn([sys.executable, __file__, "--serve-upstream", str(up_port)])]
+    redis = spawn(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"])
+    procs.append(redis)
+    kvk = spawn([sys.executable, "-m", "proxy.cli", "serve", "--port", str(kvk_port), "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0", "--log-level", "WARNING"])
+    procs.append(kvk)
+    targets: dict[str, tuple[str, int | None, bool]] = {
+        "direct": (upstream, None, False),
+        "kvkeeper": (f"http://127.0.0.1:{kvk_port}", kvk.pid, False),
+        "kvkeeper+hints": (f"http://127.0.0.1:{kvk_port}", kvk.pid, True),
+    }
+    router = None
+    if args.router:
+        router = spawn([args.router, "--host", "127.0.0.1", "--port", str(router_port), "--worker-urls", upstream, "--policy", "cache_aware", "--log-level", "error"])
+        procs.append(router)
+        targets["vllm-router"] = (f"http://127.0.0.1:{router_port}", router.pid, False)
+    try:
+        await wait_http(upstream + "/health")
+        await wait_http(f"http://127.0.0.1:{kvk_port}/healthz")
+        if router:
+            await wait_http(f"http://127.0.0.1:{router_port}/health", 120)
+        results: dict[str, dict[str, Any]] = {}
+        for c in (int(x) for x in args.concurrency.split(",")):
+            per: dict[str, dict[str, list[float]]] = {t: {"lat": [], "rps": [], "cpu": []} for t in targets}
+            for name, (url, _, hinted) in targets.items():  # warm-up
+                await load(url + "/v1/chat/completions", 200, c, {}, hinted)
+            for rnd in range(args.rounds):
+                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
+                for name in order:
+                    url, pid, hinted = targets[name]
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    lat, wall = await load(url + "/v1/chat/completions", args.requests, c, {}, hinted)
+                    cpu1 = cpu_seconds(pid) if pid else 0.0
+                    per[name]["lat"] += lat
+                    per[name]["rps"].append(len(lat) / wall)
+                    per[name]["cpu"].append((cpu1 - cpu0) / len(lat))
+                    print(f"c={c} round {rnd + 1}/{args.rounds} {name}: {statistics.median(lat) * 1e3:.2f} ms p50", file=sys.stderr)
+            base = per["direct"]
+            row: dict[str, Any] = {}
+            for name, d in per.items():
+                row[name] = {
+                    "p50_ms": pct(d["lat"], 0.5) * 1e3,
+                    "p99_ms": pct(d["lat"], 0.99) * 1e3,
+                    "added_p50_ms": (pct(d["lat"], 0.5) - pct(base["lat"], 0.5)) * 1e3,
+                    "added_p99_ms": (pct(d["lat"], 0.99) - pct(base["lat"], 0.99)) * 1e3,
+                    "rps": statistics.median(d["rps"]),
+                    "throughput_vs_direct": statistics.median(d["rps"]) / statistics.median(base["rps"]),
+                    "cpu_us_per_request": statistics.median(d["cpu"]) * 1e6 if name != "direct" else None,
+                }
+            results[str(c)] = row
+        ref = results
+        for c, row in ref.items():
+            hinted, plain = row["kvkeeper+hints"], row["kvkeeper"]
+            row["_ratios"] = {
+                "hinted_over_unhinted_added_p50": hinted["added_p50_ms"] / plain["added_p50_ms"] if plain["added_p50_ms"] > 0 else None,
+                "hinted_cpu_over_router_cpu": (hinted["cpu_us_per_request"] / row["vllm-router"]["cpu_us_per_request"]) if "vllm-router" in row else None,
+            }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"requests": args.requests, "rounds": args.rounds, "results": results}, indent=2))
+        print(render(results))
+    finally:
+        for p in procs:
+            stop(p)
+
+
+def render(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| concurrency | target | p50 ms | p99 ms | added p50 ms | added p99 ms | throughput vs direct | proxy CPU µs/req |", "|---|---|---|---|---|---|---|---|"]
+    for c, row in results.items():
+        for name, d in row.items():
+            if name.startswith("_"):
+                continue
+            cpu = "-" if d["cpu_us_per_request"] is None else f"{d['cpu_us_per_request']:.0f}"
+            lines.append(f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} |")
+    for c, row in results.items():
+        r = row["_ratios"]
+        lines.append(f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve-upstream":
+        serve_upstream(int(sys.argv[2]))
+    else:
+        asyncio.run(main())

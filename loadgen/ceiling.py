@@ -399,7 +399,8 @@ def ceilings(
 
 def render_markdown(results: Sequence[dict[str, Any]], title: str = "") -> str:
     """The ceilings as a Markdown table."""
-    policies = sorted({p for lv in results for row in lv["rows"] for p in row["rates"]})
+    present = {p for lv in results for row in lv["rows"] for p in row["rates"]}
+    policies = [p for p in POLICIES if p in present]
     head = ["N", "C/W", "C blocks", *policies, "inf", "no room"]
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -66,11 +66,11 @@ def trace_files(p: TraceParams) -> list[Path]:
 
 def build(p: TraceParams) -> Workload:
     sessions: list[SessionScript] = []
-    block = CC_BLOCK
+    block = scaled(CC_BLOCK, p.token_scale)
     for f in trace_files(p):
         if f.suffix == ".jsonl":
             sessions += _mooncake(f, p)
-            block = MOONCAKE_BLOCK
+            block = scaled(MOONCAKE_BLOCK, p.token_scale)
         else:
             sessions.append(_claude_code(f, p))
     if not sessions:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def register(subparsers: Subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: run workloads, reports, ceilings")
-    bench.set_defaults(func=lambda _args: (bench.print_help(), 2)[1])
+    bench.set_defaults(func=lambda _args: _usage(bench))
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
     _register_run(sub)
     _register_report(sub)
@@ -40,19 +40,34 @@ def register(subparsers: Subparsers) -> None:
         module.register(sub)
 
 
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
 def _add_workload_args(p: argparse.ArgumentParser, default: str | None) -> None:
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default=default,
-                   help="workload name (or give --spec)")  # fmt: skip
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=default,
+        help="workload name (or give --spec)",
+    )
     p.add_argument("--spec", help="YAML spec: {workload: NAME, params: {...}}")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="workload parameter (repeatable), e.g. --set users=8")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. --set users=8",
+    )
     p.add_argument("--seed", type=int, help="shortcut for --set seed=N")
     p.add_argument("--token-scale", type=float, help="shortcut for --set token_scale=X")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The workload named by ``--spec``/``--workload`` with ``--set`` overrides applied."""
-    name, params = (load_spec(args.spec) if args.spec else (args.workload, {}))
+    name, params = load_spec(args.spec) if args.spec else (args.workload, {})
     if args.workload and args.spec:
         name = args.workload
     if not name:
@@ -72,8 +87,11 @@ def _register_run(sub: Subparsers) -> None:
     p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True)
     p.add_argument("--hints", choices=HINT_MODES, default="none")
-    p.add_argument("--api", choices=("chat", "completions", "completions-ids"),
-                   help="request form (default: the workload's; trace uses token ids)")  # fmt: skip
+    p.add_argument(
+        "--api",
+        choices=("chat", "completions", "completions-ids"),
+        help="request form (default: the workload's; trace uses token ids)",
+    )
     p.add_argument("--api-key")
     p.add_argument("--concurrency", type=int, default=32, help="model requests in flight")
     p.add_argument("--max-sessions", type=int, default=0, help="open root sessions (0: all)")
@@ -93,12 +111,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from loadgen.runner import RunOptions, Target, run_workload
 
     workload = workload_from_args(args)
-    hints = HintPolicy(args.hints, ttl_factor=args.ttl_factor, ttl_cap=args.ttl_cap,
-                       prefetch_lead=args.prefetch_lead)  # fmt: skip
+    hints = HintPolicy(
+        args.hints,
+        ttl_factor=args.ttl_factor,
+        ttl_cap=args.ttl_cap,
+        prefetch_lead=args.prefetch_lead,
+    )
     target = Target(args.target, args.model, hints, api=args.api, api_key=args.api_key)
-    options = RunOptions(concurrency=args.concurrency, max_sessions=args.max_sessions,
-                         time_scale=args.time_scale, progress=not args.no_progress,
-                         request_timeout=args.request_timeout)  # fmt: skip
+    options = RunOptions(
+        concurrency=args.concurrency,
+        max_sessions=args.max_sessions,
+        time_scale=args.time_scale,
+        progress=not args.no_progress,
+        request_timeout=args.request_timeout,
+    )
     result = asyncio.run(run_workload(workload, target, options, label=args.label))
     result.save(args.out)
     summary = summarize(result)
@@ -129,8 +155,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _register_ceiling(sub: Subparsers) -> None:
     p = sub.add_parser("ceiling", help="cache-hit ceilings: infinite, Belady and LRU")
     _add_workload_args(p, "trace")
-    p.add_argument("--arrival", choices=("lanes", "slots", "open"),
-                   help="arrival model (default: lanes for trace, open otherwise)")  # fmt: skip
+    p.add_argument(
+        "--arrival",
+        choices=("lanes", "slots", "open"),
+        help="arrival model (default: lanes for trace, open otherwise)",
+    )
     p.add_argument("--concurrency", default="8,16", help="open sessions N (list)")
     p.add_argument("--capacity", default="0.25,0.5", help="cache sizes as shares of peak W")
     p.add_argument("--policies", default="lru,belady")
@@ -144,24 +173,33 @@ def _cmd_ceiling(args: argparse.Namespace) -> int:
     from loadgen import ceiling
 
     workload = workload_from_args(args)
-    arrival = args.arrival or ("lanes" if workload.name == "trace" else "open")
+    arrival: ceiling.Arrival = args.arrival or ("lanes" if workload.name == "trace" else "open")
     levels = [int(x) for x in args.concurrency.split(",") if x]
     policies = [p for p in args.policies.split(",") if p]
     for policy in policies:
         if policy not in ceiling.POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {ceiling.POLICIES}")
     if args.emit_blocks:
-        _emit_blocks(ceiling.layout(workload, arrival, levels[0], seed=args.lane_seed),
-                     Path(args.emit_blocks))  # fmt: skip
+        _emit_blocks(
+            ceiling.layout(workload, arrival, levels[0], seed=args.lane_seed),
+            Path(args.emit_blocks),
+        )
     results = ceiling.ceilings(
-        workload, arrival=arrival, concurrency=levels, policies=policies, seed=args.lane_seed,
+        workload,
+        arrival=arrival,
+        concurrency=levels,
+        policies=policies,
+        seed=args.lane_seed,
         capacities=[float(x) for x in args.capacity.split(",") if x],
-    )  # fmt: skip
+    )
     title = f"{workload.name} ceilings ({arrival})"
     print(ceiling.render_markdown(results, title))
     if args.json:
-        doc: dict[str, Any] = {"workload": workload.name, "params": dict(workload.params),
-                               "results": results}  # fmt: skip
+        doc: dict[str, Any] = {
+            "workload": workload.name,
+            "params": dict(workload.params),
+            "results": results,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
@@ -169,8 +207,12 @@ def _cmd_ceiling(args: argparse.Namespace) -> int:
 def _emit_blocks(replay: Any, path: Path) -> None:
     with path.open("w") as f:
         for r in replay.reqs:
-            f.write(json.dumps({"arrival": r.arrival, "finish": r.finish, "tokens": r.tokens,
-                                "blocks": r.keys}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {"arrival": r.arrival, "finish": r.finish, "tokens": r.tokens, "blocks": r.keys}
+                )
+                + "\n"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

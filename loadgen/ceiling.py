@@ -169,8 +169,11 @@ def layout(
     if arrival == "lanes":
         return _lanes(timelines, n, seed, chains)
     starts = _slot_starts(timelines, n) if arrival == "slots" else [t.start for t in timelines]
-    reqs = [_req(tc, start, chains, None) for tl, start in zip(timelines, starts, strict=True)
-            for tc in tl.calls]  # fmt: skip
+    reqs = [
+        _req(tc, start, chains, None)
+        for tl, start in zip(timelines, starts, strict=True)
+        for tc in tl.calls
+    ]
     return Replay(_numbered(reqs), workload.block_tokens)
 
 
@@ -183,8 +186,9 @@ def _numbered(reqs: list[Req]) -> list[Req]:
 def _req(tc: TimedCall, shift: float, chains: BlockChains, part: int | None) -> Req:
     pieces: Iterable[Piece] = tc.call.pieces()
     if part:
-        pieces = ((ns if ns.startswith(SHARED_PREFIX) else f"{ns}#{part}", b, k)
-                  for ns, b, k in pieces)  # fmt: skip
+        pieces = (
+            (ns if ns.startswith(SHARED_PREFIX) else f"{ns}#{part}", b, k) for ns, b, k in pieces
+        )
     return Req(tc.arrival + shift, tc.finish + shift, chains.keys(pieces), tc.call.prompt_tokens)
 
 
@@ -334,11 +338,13 @@ def simulate(replay: Replay, capacity: int, policy: Policy) -> SimResult:
                     cache.release(b, pos, latest)
             continue
         latest = seq
-        holds, new, leading = [], [], True
+        holds: list[int] = []
+        new: list[int] = []
+        leading = True
         for pos, b in enumerate(r.keys):
-            c = ref.get(b)
-            if c is not None:
-                ref[b] = c + 1
+            count = ref.get(b)
+            if count is not None:
+                ref[b] = count + 1
             elif cache.unfree(b):
                 ref[b] = 1
             else:
@@ -381,10 +387,16 @@ def ceilings(
         bt = replay.block_tokens
         peak = peak_working_set(replay)
         level: dict[str, Any] = {
-            "n": n, "arrival": arrival, "requests": len(replay.reqs), "tokens": replay.total_tokens,
-            "peak_ws": peak, "cuts": replay.cuts, "block_tokens": bt,
-            "inf": bt * infinite_hits(replay) / total, "rows": [],
-        }  # fmt: skip
+            "n": n,
+            "arrival": arrival,
+            "requests": len(replay.reqs),
+            "tokens": replay.total_tokens,
+            "peak_ws": peak,
+            "cuts": replay.cuts,
+            "block_tokens": bt,
+            "inf": bt * infinite_hits(replay) / total,
+            "rows": [],
+        }
         for frac in capacities:
             cap = max(1, round(frac * peak))
             row: dict[str, Any] = {"frac": frac, "C": cap, "rates": {}, "no_room": 0.0}
@@ -406,14 +418,26 @@ def render_markdown(results: Sequence[dict[str, Any]], title: str = "") -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv in results:
         for row in lv["rows"]:
-            rates = [f"{100 * row['rates'][p]:.1f}%" if p in row["rates"] else "-"
-                     for p in policies]  # fmt: skip
-            cells = [str(lv["n"] or "open"), f"{100 * row['frac']:.0f}%", str(row["C"]), *rates,
-                     f"{100 * lv['inf']:.1f}%", f"{100 * row['no_room']:.1f}%"]  # fmt: skip
+            rates = [
+                f"{100 * row['rates'][p]:.1f}%" if p in row["rates"] else "-" for p in policies
+            ]
+            cells = [
+                str(lv["n"] or "open"),
+                f"{100 * row['frac']:.0f}%",
+                str(row["C"]),
+                *rates,
+                f"{100 * lv['inf']:.1f}%",
+                f"{100 * row['no_room']:.1f}%",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| N | peak working set (blocks) | block tokens | requests | prompt tokens | "
-              "lane cuts |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| N | peak working set (blocks) | block tokens | requests | prompt tokens | lane cuts |",
+        "|---|---|---|---|---|---|",
+    ]
     for lv in results:
-        lines.append(f"| {lv['n'] or 'open'} | {lv['peak_ws']} | {lv['block_tokens']} | "
-                     f"{lv['requests']} | {lv['tokens']} | {lv['cuts']} |")  # fmt: skip
+        lines.append(
+            f"| {lv['n'] or 'open'} | {lv['peak_ws']} | {lv['block_tokens']} | "
+            f"{lv['requests']} | {lv['tokens']} | {lv['cuts']} |"
+        )
     return "\n".join(lines)

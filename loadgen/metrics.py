@@ -49,7 +49,9 @@ def parse_counters(text: str, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
-def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
+def counter_delta(
+    before: Mapping[str, float], after: Mapping[str, float]
+) -> dict[str, float] | None:
     """``after - before`` for counters present after the run; ``None`` if none were."""
     if not after:
         return None
@@ -144,8 +146,11 @@ def retention_overhead(
 ) -> dict[str, float | None]:
     """Tokens kvkeeper spent on touches and warm-ups, alone and per workload-recomputed token."""
     if not kvkeeper:
-        return {"retention_prompt_tokens": None, "retention_recomputed_tokens": None,
-                "retention_overhead_ratio": None}  # fmt: skip
+        return {
+            "retention_prompt_tokens": None,
+            "retention_recomputed_tokens": None,
+            "retention_overhead_ratio": None,
+        }
     spent = kvkeeper.get("kvkeeper_touch_recomputed_tokens_total", 0.0) + kvkeeper.get(
         "kvkeeper_warmup_recomputed_tokens_total", 0.0
     )

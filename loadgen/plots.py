@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never a display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from loadgen.metrics import hit_rate_over_time, ok_requests  # noqa: E402
-from loadgen.runner import RunResult  # noqa: E402
+from loadgen.metrics import hit_rate_over_time, ok_requests
+from loadgen.runner import RunResult
 
 
 def ttft_cdf(results: Sequence[RunResult], path: Path) -> Path:
@@ -49,7 +50,7 @@ def hit_rate_timeline(results: Sequence[RunResult], path: Path, bins: int = 20) 
     return _save(fig, path)
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -49,8 +49,10 @@ def _cell(summary: dict[str, Any], keys: tuple[str, ...], fmt: str) -> str:
 
 
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(title for title, _, _ in _COLUMNS) + " |",
-             "|" + "---|" * len(_COLUMNS)]  # fmt: skip
+    lines = [
+        "| " + " | ".join(title for title, _, _ in _COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+    ]
     for s in summaries:
         lines.append("| " + " | ".join(_cell(s, k, f) for _, k, f in _COLUMNS) + " |")
     return "\n".join(lines)

@@ -151,9 +151,7 @@ async def run_workload(
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout)
     connector = aiohttp.TCPConnector(limit=opts.concurrency + 16)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=connector, headers=headers
-    ) as http:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
         before = await _kvkeeper_counters(http, target)
         player = _Player(workload, target, opts, http)
         started = time.time()
@@ -165,8 +163,12 @@ async def run_workload(
     return RunResult(
         workload=workload.name,
         params=dict(workload.params),
-        target={"base_url": target.base_url, "model": target.model,
-                "hints": asdict(target.hints), "api": player.api},  # fmt: skip
+        target={
+            "base_url": target.base_url,
+            "model": target.model,
+            "hints": asdict(target.hints),
+            "api": player.api,
+        },
         options=asdict(opts),
         started_at=started,
         duration=duration,
@@ -185,7 +187,7 @@ async def _kvkeeper_counters(http: aiohttp.ClientSession, target: Target) -> dic
             if resp.status != 200:
                 return {}
             return parse_counters(await resp.text(), KVKEEPER_COUNTERS)
-    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+    except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
         return {}
 
 
@@ -252,8 +254,9 @@ class _Player:
                 continue
             target_t = done + step.think * ts
             if i and self.target.hints.wants_prefetch(step.think * ts):
-                self._side(self._prefetch_at(target_t - self.target.hints.prefetch_lead, sid,
-                                             parent))  # fmt: skip
+                self._side(
+                    self._prefetch_at(target_t - self.target.hints.prefetch_lead, sid, parent)
+                )
             if waited:
                 await asyncio.gather(*waited)
                 waited = []
@@ -276,20 +279,39 @@ class _Player:
         await self._manage(sid, parent, "prefetch")
 
     async def _call(
-        self, sid: str, parent: str | None, call: Call, turn: int, t_sched: float,
+        self,
+        sid: str,
+        parent: str | None,
+        call: Call,
+        turn: int,
+        t_sched: float,
         pause: float | None,
-    ) -> None:  # fmt: skip
-        hints = call_hints(self.target.hints, session_id=sid, parent_id=parent, agent=call.agent,
-                           tool_pause=pause, ends_in_tool_call=call.stop == "tool_use")  # fmt: skip
+    ) -> None:
+        hints = call_hints(
+            self.target.hints,
+            session_id=sid,
+            parent_id=parent,
+            agent=call.agent,
+            tool_pause=pause,
+            ends_in_tool_call=call.stop == "tool_use",
+        )
         path, body = self._body(call)
         body.update(hints.body)
-        rec = RequestRecord(sid, parent, call.agent, turn, t_sched, 0.0,
-                            expected_prompt_tokens=call.prompt_tokens, stop=call.stop)  # fmt: skip
+        rec = RequestRecord(
+            sid,
+            parent,
+            call.agent,
+            turn,
+            t_sched,
+            0.0,
+            expected_prompt_tokens=call.prompt_tokens,
+            stop=call.stop,
+        )
         async with self.in_flight:
             rec.t_start = self.now()
             try:
                 await self._stream(path, body, hints.headers, rec)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}"[:300]
             rec.t_end = self.now()
         self.requests.append(rec)
@@ -345,7 +367,7 @@ class _Player:
                     rec.results = doc["results"]
                 elif resp.status != 200:
                     rec.error = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:300]
         rec.t_end = self.now()
         self.manages.append(rec)

@@ -18,6 +18,7 @@ from loadgen.workloads.base import (
     SessionScript,
     Spawn,
     Step,
+    Stop,
     Workload,
     pareto_pause,
     scaled,
@@ -72,7 +73,7 @@ def _job(
     steps.append(Spawn(workers, wait=True))
     ctx += [sized(f"{sid}-w{w}/result", out) for w in range(p.workers)]
     for k in range(p.join_turns):
-        stop = "tool_use" if k < p.join_turns - 1 else "end_turn"
+        stop: Stop = "tool_use" if k < p.join_turns - 1 else "end_turn"
         think = 0.0 if k == 0 else pareto_pause(rng, p.pause_alpha, p.pause_min, p.pause_cap)
         steps.append(Call(tuple(ctx), out, think=think, stop=stop, agent="leader"))
         ctx += [sized(f"{sid}/j{k}/out", out, role="assistant"), sized(f"{sid}/j{k}/tool", out)]
@@ -87,7 +88,7 @@ def _worker(
     calls = []
     think = rng.uniform(0.1, 1.0)  # spawn delay
     for k in range(p.worker_turns):
-        stop = "tool_use" if k < p.worker_turns - 1 else "end_turn"
+        stop: Stop = "tool_use" if k < p.worker_turns - 1 else "end_turn"
         calls.append(Call(tuple(ctx), out, think=think, stop=stop, agent="worker"))
         tool = scaled(p.tool_result_tokens, p.token_scale)
         ctx += [sized(f"{sid}/t{k}/out", out, role="assistant"), sized(f"{sid}/t{k}/tool", tool)]

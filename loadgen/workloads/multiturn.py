@@ -30,8 +30,9 @@ class MultiturnParams:
 
 def build(p: MultiturnParams) -> Workload:
     rng = random.Random(p.seed)
-    common = sized("shared/multiturn/system", scaled(p.shared_prefix_tokens, p.token_scale),
-                   role="system")  # fmt: skip
+    common = sized(
+        "shared/multiturn/system", scaled(p.shared_prefix_tokens, p.token_scale), role="system"
+    )
     sessions = []
     t = 0.0
     for c in range(p.conversations):

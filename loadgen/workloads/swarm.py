@@ -23,7 +23,16 @@ from loadgen.workloads.base import (
     sized,
 )
 
-AGENT_NAMES = ("supervisor", "planner", "researcher", "coder", "tester", "reviewer", "writer", "ops")
+AGENT_NAMES = (
+    "supervisor",
+    "planner",
+    "researcher",
+    "coder",
+    "tester",
+    "reviewer",
+    "writer",
+    "ops",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,4 +123,3 @@ def _user_session(
     last = calls[-1]
     calls[-1] = Call(last.prompt, last.max_tokens, last.think, "end_turn", last.agent)
     return SessionScript(sid, tuple(calls), start=start, agent="supervisor")
-

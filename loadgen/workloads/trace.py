@@ -32,6 +32,7 @@ from loadgen.workloads.base import (
     SessionScript,
     Spawn,
     Step,
+    Stop,
     Workload,
     scaled,
 )
@@ -75,8 +76,9 @@ def build(p: TraceParams) -> Workload:
             sessions.append(_claude_code(f, p))
     if not sessions:
         raise ValueError(f"trace: no trace files under {p.path}")
-    return Workload("trace", tuple(sessions), block_tokens=block, api="completions-ids",
-                    params=asdict(p))  # fmt: skip
+    return Workload(
+        "trace", tuple(sessions), block_tokens=block, api="completions-ids", params=asdict(p)
+    )
 
 
 class _Builder:
@@ -122,7 +124,8 @@ class _Builder:
         return SessionScript(sid, tuple(steps), start=start, agent=kind)
 
     def _spawns(self, sid: str, group: list[dict[str, Any]], prev_t_end: float) -> list[Step]:
-        waited, background = [], []
+        waited: list[SessionScript] = []
+        background: list[SessionScript] = []
         for sa in group:
             if not sa.get("requests"):
                 continue
@@ -147,7 +150,7 @@ class _Builder:
         first = next((e for e in entries if e.get("type") != "subagent"), None)
         if first is None:
             return {}
-        n_head = (int(entry.get("tool_tokens") or 0) + int(entry.get("system_tokens") or 0))
+        n_head = int(entry.get("tool_tokens") or 0) + int(entry.get("system_tokens") or 0)
         ids = first["hash_ids"][: n_head // CC_BLOCK]
         return {block_id: pos for pos, block_id in enumerate(ids)}
 
@@ -167,7 +170,7 @@ class _Builder:
         if tail or not prompt:  # the unhashed partial block: private to this call
             self.n_tails += 1
             prompt.append(Segment(f"{self.ns}/tail", [self.n_tails], max(tail, 1)))
-        stop = "tool_use" if e.get("stop") == "tool_use" else "end_turn"
+        stop: Stop = "tool_use" if e.get("stop") == "tool_use" else "end_turn"
         out = scaled(int(e.get("out") or 1), self.p.token_scale)
         return Call(tuple(prompt), out, think=think, stop=stop, agent=kind, api_time=api)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,9 +73,15 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     if (hint.get("context_management") or {}).get("manage_request"):
         eng.manages.append(body)
         edits = hint["context_management"]["edits"]
-        return web.json_response({"object": "kvkeeper.management", "session_id": hint["session_id"],
-                                  "results": [{"type": e["type"], "status": "applied",
-                                               "reason": None} for e in edits]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "kvkeeper.management",
+                "session_id": hint["session_id"],
+                "results": [
+                    {"type": e["type"], "status": "applied", "reason": None} for e in edits
+                ],
+            }
+        )
     eng.bodies.append(body)
     eng.headers.append(dict(request.headers))
     eng.in_flight += 1
@@ -88,10 +96,15 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             await _send(resp, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
         await asyncio.sleep(eng.delay_per_token * (len(ids) - cached))
         for _ in range(body["max_tokens"]):
-            choice = {"index": 0, "delta": {"content": " the"}} if chat else {"index": 0, "text": " the"}
+            choice = (
+                {"index": 0, "delta": {"content": " the"}} if chat else {"index": 0, "text": " the"}
+            )
             await _send(resp, {"choices": [choice]})
-        usage = {"prompt_tokens": len(ids), "completion_tokens": body["max_tokens"],
-                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         await _send(resp, {"choices": [], "usage": usage})
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -124,9 +137,17 @@ async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
     await runner.cleanup()
 
 
-_SMALL_MT = {"conversations": 6, "min_turns": 3, "max_turns": 3, "arrival_rate": 50.0,
-             "think_mean": 0.01, "shared_prefix_tokens": 64, "context_tokens": 96,
-             "user_tokens": 16, "output_tokens": 4}  # fmt: skip
+_SMALL_MT = {
+    "conversations": 6,
+    "min_turns": 3,
+    "max_turns": 3,
+    "arrival_rate": 50.0,
+    "think_mean": 0.01,
+    "shared_prefix_tokens": 64,
+    "context_tokens": 96,
+    "user_tokens": 16,
+    "output_tokens": 4,
+}
 
 
 async def test_multiturn_chat_measures_hits_and_ttft(engine: tuple[FakeEngine, str]) -> None:
@@ -145,15 +166,25 @@ async def test_multiturn_chat_measures_hits_and_ttft(engine: tuple[FakeEngine, s
     assert s["output_tokens"] == 18 * 4
     assert len(res.sessions) == 6 and len(s["ttft"]) == 5
     assert eng.max_in_flight <= 4
-    assert all("agent_hint" not in b and "X-Session-Id" not in h
-               for b, h in zip(eng.bodies, eng.headers, strict=True))  # fmt: skip
+    assert all(
+        "agent_hint" not in b and "X-Session-Id" not in h
+        for b, h in zip(eng.bodies, eng.headers, strict=True)
+    )
 
 
 async def test_full_hints_on_fanout(engine: tuple[FakeEngine, str]) -> None:
     eng, url = engine
     eng.metrics_text = "kvkeeper_touch_recomputed_tokens_total 5\n"
-    params = {"jobs": 1, "workers": 3, "build_turns": 2, "worker_turns": 2, "join_turns": 1,
-              "token_scale": 0.01, "pause_min": 0.05, "pause_cap": 0.2}  # fmt: skip
+    params = {
+        "jobs": 1,
+        "workers": 3,
+        "build_turns": 2,
+        "worker_turns": 2,
+        "join_turns": 1,
+        "token_scale": 0.01,
+        "pause_min": 0.05,
+        "pause_cap": 0.2,
+    }
     wl = build_workload("fanout", params)
     hints = HintPolicy("full", prefetch_lead=0.02, min_prefetch_pause=0.03)
     res = await run_workload(wl, Target(url, "m", hints), RunOptions(progress=False))
@@ -161,14 +192,18 @@ async def test_full_hints_on_fanout(engine: tuple[FakeEngine, str]) -> None:
     by_sid = {b["agent_hint"]["session_id"] for b in eng.bodies}
     assert len(by_sid) == 4  # leader + 3 workers
     workers = [b for b in eng.bodies if "parent_session_id" in b["agent_hint"]]
-    assert len(workers) == 6 and all(b["agent_hint"]["parent_session_id"].endswith("fanout-j0")
-                                     for b in workers)  # fmt: skip
+    assert len(workers) == 6 and all(
+        b["agent_hint"]["parent_session_id"].endswith("fanout-j0") for b in workers
+    )
     tool_calls = [b for b in eng.bodies if "cache_control" in b["agent_hint"]]
     assert len(tool_calls) == 2 + 3  # build turns + non-final worker turns
     assert all(0 < b["agent_hint"]["cache_control"]["ttl"] <= 600 for b in tool_calls)
     assert {h.get("X-Agent-Name") for h in eng.headers} == {"leader", "worker"}
-    evicts = [m for m in eng.manages if m["agent_hint"]["context_management"]["edits"][0]["type"]
-              == "evict"]  # fmt: skip
+    evicts = [
+        m
+        for m in eng.manages
+        if m["agent_hint"]["context_management"]["edits"][0]["type"] == "evict"
+    ]
     assert len(evicts) == 4
     s = summarize(res)
     assert s["manage"]["evict:applied"] == 4
@@ -199,7 +234,7 @@ async def test_trace_replay_sends_token_ids_and_waits_for_subagents(
     assert summarize(res)["hit_rate"] > 0.5
 
 
-async def test_result_json_round_trip(engine: tuple[FakeEngine, str], tmp_path: Any) -> None:
+async def test_result_json_round_trip(engine: tuple[FakeEngine, str], tmp_path: Path) -> None:
     _, url = engine
     wl = build_workload("multiturn", _SMALL_MT | {"conversations": 2})
     res = await run_workload(wl, Target(url, "m"), RunOptions(progress=False, max_sessions=1))
@@ -209,3 +244,72 @@ async def test_result_json_round_trip(engine: tuple[FakeEngine, str], tmp_path: 
     assert summarize(back) == summarize(res)
     roots = sorted(back.sessions, key=lambda s: s.t_start)
     assert roots[1].t_start >= roots[0].t_end  # max_sessions=1 runs them one after the other
+
+
+async def _cli(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "loadgen",
+        "bench",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=120)
+    return proc.returncode or 0, out.decode()
+
+
+async def test_cli_run_report_ceiling(engine: tuple[FakeEngine, str], tmp_path: Path) -> None:
+    eng, url = engine
+    results = []
+    for hints in ("none", "full"):
+        out = tmp_path / f"{hints}.json"
+        code, text = await _cli(
+            "run",
+            "--workload",
+            "swarm",
+            "--set",
+            "users=3",
+            "--set",
+            "max_dispatches=3",
+            "--token-scale",
+            "0.02",
+            "--time-scale",
+            "0.01",
+            "--target",
+            url,
+            "--model",
+            "m",
+            "--hints",
+            hints,
+            "--out",
+            str(out),
+            "--no-progress",
+        )
+        assert code == 0, text
+        assert json.loads(text)["errors"] == 0
+        results.append(str(out))
+    n_calls = len(eng.bodies) // 2
+    assert n_calls > 0 and sum("agent_hint" in b for b in eng.bodies) == n_calls
+    assert len([m for m in eng.manages if "evict" in json.dumps(m)]) == 3
+    code, text = await _cli("report", *results, "--out", str(tmp_path / "rep"))
+    assert code == 0, text
+    assert "| swarm/none | none |" in text and "| swarm/full | full |" in text
+    assert (tmp_path / "rep" / "ttft_cdf.png").stat().st_size > 5000
+    code, text = await _cli(
+        "ceiling",
+        "--set",
+        "files=trace_0291",
+        "--concurrency",
+        "1",
+        "--capacity",
+        "1.0",
+        "--emit-blocks",
+        str(tmp_path / "b.jsonl"),
+    )
+    assert code == 0, text
+    row = next(line for line in text.splitlines() if line.startswith("| 1 | 100%"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[5] == cells[6]  # belady == inf when the cache holds the peak working set
+    assert sum(1 for _ in (tmp_path / "b.jsonl").open()) == 32

@@ -35,7 +35,11 @@ def _rates(wl: Workload, cap: int) -> dict[str, int]:
 def test_lru_evicts_the_oldest_belady_the_never_reused() -> None:
     # a, b, c, then a again; two blocks of room: LRU drops a for c, Belady drops b.
     assert _rates(_one_call_sessions([["a"], ["b"], ["c"], ["a"]]), 2) == {
-        "lru": 0, "belady": 1, "inf": 1, "W": 2}  # fmt: skip
+        "lru": 0,
+        "belady": 1,
+        "inf": 1,
+        "W": 2,
+    }
 
 
 def test_prefix_hits_stop_at_the_first_missing_block() -> None:
@@ -71,9 +75,6 @@ def test_belady_is_between_lru_and_inf_and_reaches_inf_at_w(name: str) -> None:
 def test_slots_run_roots_one_after_another() -> None:
     wl = build_workload("multiturn", {"conversations": 3})
     replay = ceiling.layout(wl, "slots", 1)
-    ends = {}
-    for r in replay.reqs:
-        ends.setdefault(r.seq, r)
     arrivals = [r.arrival for r in replay.reqs]
     assert arrivals == sorted(arrivals) and len(replay.reqs) == wl.n_calls()
     timelines = [ceiling.play(s) for s in wl.sessions]
@@ -81,15 +82,35 @@ def test_slots_run_roots_one_after_another() -> None:
 
 
 def test_matches_the_independent_calculator(tmp_path: Path) -> None:
-    files = ["trace_0030.json", "trace_0150.json", "trace_0247.json", "trace_0274.json",
-             "trace_0282.json", "trace_0291.json"]  # name order, as the workload reads them
+    files = [
+        "trace_0030.json",
+        "trace_0150.json",
+        "trace_0247.json",
+        "trace_0274.json",
+        "trace_0282.json",
+        "trace_0291.json",
+    ]  # name order, as the workload reads them
     out = tmp_path / "ref.json"
     subprocess.run(
-        [sys.executable, str(REFERENCE), *(str(TRACES / f) for f in files), "--concurrency",
-         "2,3", "--capacity", "0.25,0.5,1.0", "--policies", "lru,belady", "--jobs", "1",
-         "--json", str(out)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REFERENCE),
+            *(str(TRACES / f) for f in files),
+            "--concurrency",
+            "2,3",
+            "--capacity",
+            "0.25,0.5,1.0",
+            "--policies",
+            "lru,belady",
+            "--jobs",
+            "1",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     ref = {r["n"]: r for r in json.loads(out.read_text())["results"]}
     wl = build_workload("trace", {"files": ",".join(files), "shared_head": False})
     mine = ceiling.ceilings(wl, arrival="lanes", concurrency=(2, 3), capacities=(0.25, 0.5, 1.0))

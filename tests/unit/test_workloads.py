@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -52,11 +53,12 @@ def test_swarm_history_grows_within_a_session() -> None:
     wl = build_workload("swarm", {"users": 3})
     for s in wl.sessions:
         calls = [c for c in s.steps if isinstance(c, Call)]
-        for prev, cur in zip(calls, calls[1:], strict=False):
+        for prev, cur in itertools.pairwise(calls):
             assert prev.prompt[1:] == cur.prompt[1 : len(prev.prompt)]
-            assert cur.prompt_tokens - cur.prompt[0].n_tokens > prev.prompt_tokens - prev.prompt[
-                0
-            ].n_tokens
+            assert (
+                cur.prompt_tokens - cur.prompt[0].n_tokens
+                > prev.prompt_tokens - prev.prompt[0].n_tokens
+            )
 
 
 def test_fanout_workers_share_the_leaders_context() -> None:
@@ -81,7 +83,7 @@ def test_multiturn_turns_extend_the_previous_prompt() -> None:
         calls = [c for c in s.steps if isinstance(c, Call)]
         common = common or calls[0].prompt[0]
         assert calls[0].prompt[0] == common
-        for prev, cur in zip(calls, calls[1:], strict=False):
+        for prev, cur in itertools.pairwise(calls):
             assert _is_prefix(_ids(prev), _ids(cur))
 
 
@@ -89,8 +91,7 @@ def test_claude_code_traces_match_source_md_counts() -> None:
     wl = build_workload("trace", {})
     assert len(wl.sessions) == 48 and wl.api == "completions-ids" and wl.block_tokens == 64
     assert wl.n_calls() == 5111
-    subs = [c for s in wl.sessions for st in s.steps if isinstance(st, Spawn)
-            for c in st.children]  # fmt: skip
+    subs = [c for s in wl.sessions for st in s.steps if isinstance(st, Spawn) for c in st.children]
     assert len(subs) == 41 and sum(sum(1 for _ in c.calls()) for c in subs) == 486
 
 
@@ -115,8 +116,10 @@ def test_trace_without_shared_head_keeps_private_namespaces() -> None:
 
 
 def test_mooncake_jsonl(tmp_path: Path) -> None:
-    lines = [{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
-             {"timestamp": 2500, "input_length": 600, "output_length": 5, "hash_ids": [0, 3]}]  # fmt: skip
+    lines = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
+        {"timestamp": 2500, "input_length": 600, "output_length": 5, "hash_ids": [0, 3]},
+    ]
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
     wl = build_workload("trace", {"path": str(path)})
@@ -137,8 +140,12 @@ def test_token_content_is_stable_and_prefix_closed() -> None:
 
 
 def test_chat_rendering_merges_same_role_segments() -> None:
-    seg = [sized("shared/s", 4, role="system"), sized("x", 3), sized("y", 2),
-           sized("z", 2, role="assistant")]  # fmt: skip
+    seg = [
+        sized("shared/s", 4, role="system"),
+        sized("x", 3),
+        sized("y", 2),
+        sized("z", 2, role="assistant"),
+    ]
     msgs = render_messages(tuple(seg))
     assert [m["role"] for m in msgs] == ["system", "user", "assistant"]
     assert len(msgs[1]["content"].split()) == 5
@@ -146,7 +153,10 @@ def test_chat_rendering_merges_same_role_segments() -> None:
 
 def test_params_from_cli_and_yaml(tmp_path: Path) -> None:
     assert parse_overrides(["users=8", "token_scale=0.5", "path=/x"]) == {
-        "users": 8, "token_scale": 0.5, "path": "/x"}  # fmt: skip
+        "users": 8,
+        "token_scale": 0.5,
+        "path": "/x",
+    }
     assert make_params("swarm", {"users": "8"}).users == 8
     assert make_params("trace", {"shared_head": "false"}).shared_head is False
     with pytest.raises(ValueError, match="unknown parameter 'userz'"):
@@ -161,21 +171,33 @@ def test_params_from_cli_and_yaml(tmp_path: Path) -> None:
 
 
 def test_hint_modes() -> None:
-    kw = {"session_id": "s1", "parent_id": "p0", "agent": "coder", "tool_pause": 30.0,
-          "ends_in_tool_call": True}  # fmt: skip
+    kw = {
+        "session_id": "s1",
+        "parent_id": "p0",
+        "agent": "coder",
+        "tool_pause": 30.0,
+        "ends_in_tool_call": True,
+    }
     none = call_hints(HintPolicy("none"), **kw)  # type: ignore[arg-type]
     assert none.headers == {} and none.body == {}
     sess = call_hints(HintPolicy("session"), **kw)  # type: ignore[arg-type]
     assert sess.headers == {"X-Session-Id": "s1"} and sess.body == {}
     full = call_hints(HintPolicy("full", ttl_cap=45.0), **kw)  # type: ignore[arg-type]
     assert full.headers == {"X-Agent-Name": "coder"}
-    assert full.body == {"agent_hint": {"session_id": "s1", "parent_session_id": "p0",
-                                        "cache_control": {"type": "ephemeral", "ttl": 45.0}}}  # fmt: skip
+    assert full.body == {
+        "agent_hint": {
+            "session_id": "s1",
+            "parent_session_id": "p0",
+            "cache_control": {"type": "ephemeral", "ttl": 45.0},
+        }
+    }
     end = call_hints(HintPolicy("full"), **(kw | {"ends_in_tool_call": False}))  # type: ignore[arg-type]
     assert "cache_control" not in end.body["agent_hint"]
     assert HintPolicy("full").ttl_for(10.0) == 20.0 and HintPolicy("full").ttl_for(None) == 60.0
     assert HintPolicy("full", ttl_cap=1e9).ttl_for(1e6) == 3600.0
     body = manage_body("m", session_id="s1", parent_id=None, edit="evict")
     assert body["messages"] == [{"role": "user", "content": ""}]
-    assert body["agent_hint"]["context_management"] == {"manage_request": True,
-                                                        "edits": [{"type": "evict"}]}  # fmt: skip
+    assert body["agent_hint"]["context_management"] == {
+        "manage_request": True,
+        "edits": [{"type": "evict"}],
+    }

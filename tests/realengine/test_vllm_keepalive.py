@@ -9,6 +9,7 @@ the index the engine's own KV events feed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -22,6 +23,7 @@ from tests.realengine.conftest import VLLMEngine
 from tests.realengine.test_vllm_adapter import chat_body, eventually, random_tokens
 
 pytestmark = pytest.mark.realengine
+log = logging.getLogger(__name__)
 
 FLOOD = 6
 FLOOD_TOKENS = 2000
@@ -82,6 +84,9 @@ async def test_untouched_prefix_is_evicted_by_the_flood(
     assert horizon is not None
     assert 0.0 < horizon < time.time() - started
     resumed = await adapter.touch(CHAT_ROUTE, chat_body("cold", 2000))
+    log.info(
+        "untouched: %d blocks, resident 0, horizon %.2fs, resume %s", len(blocks), horizon, resumed
+    )
     assert resumed.cached_tokens == 0
     assert sub.stats.lost == 0
 
@@ -97,5 +102,9 @@ async def test_touched_prefix_stays_resident_through_the_flood(
     resident = index.resident_prefix(blocks)
     assert resident >= 0.95 * len(blocks)
     resumed = await adapter.touch(CHAT_ROUTE, chat_body("warm", 2000))
+    log.info(
+        "touched: %d blocks, resident %d, %d touches recomputing %d tokens, resume %s",
+        len(blocks), resident, touches, recomputed, resumed,
+    )  # fmt: skip
     assert resumed.cached_tokens >= 0.95 * len(blocks) * 32
     assert sub.stats.lost == 0

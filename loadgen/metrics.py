@@ -131,11 +131,14 @@ def hit_rate_by_agent(ok: Sequence[RequestRecord]) -> dict[str, float | None]:
 
 
 def manage_outcomes(result: RunResult) -> Counter[str]:
-    """``"evict:applied"`` -> count, over all management results (``"evict:error"`` on failure)."""
+    """``"evict:applied"`` -> count over all management results; ``"evict:error"`` for a failed
+    request, ``"evict:no_result"`` for an answer without results (the target is not kvkeeper)."""
     counts: Counter[str] = Counter()
     for m in result.manages:
-        if m.error is not None or not m.results:
+        if m.error is not None:
             counts[f"{m.edit}:error"] += 1
+        elif not m.results:
+            counts[f"{m.edit}:no_result"] += 1
         for res in m.results:
             counts[f"{res.get('type', m.edit)}:{res.get('status', '?')}"] += 1
     return counts

@@ -87,7 +87,7 @@ class DeleteResult:
     """Outcome of :meth:`LMCacheAdapter.delete_prefix`."""
 
     chunks: int  # stored chunks of the prefix that were deleted
-    deleted_keys: dict[str, int]  # per tier, as the MP servers reported
+    deleted_keys: dict[str, int]  # per tier as the servers report (l2: the keys sent)
     skipped_keys: int  # refused by a server (locked L1 objects, keys it does not hold)
     unpinned: int  # pins released (the highest pin count among the prefix's keys)
 
@@ -147,23 +147,26 @@ class LMCacheAdapter:
         return leading * self.config.chunk_size
 
     async def pin(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
-        """Pin the prefix's chunk keys against L2 eviction; returns keys pinned.
+        """Pin the prefix's complete chunks against L2 eviction; returns chunks pinned.
 
-        The coordinator answers with the number of keys the complete chunks resolve to, stored
-        or not (a later store is protected too). Pins are counted per key: each :meth:`unpin`
-        lowers the count by one, so callers should pin a prefix once.
+        The coordinator pins keys whether or not they are stored (a later store is protected
+        too), so offload = :meth:`lookup` (and a touch through the engine if missing) + pin.
+        Pins are counted per key: each :meth:`unpin` lowers the count by one, so pin a prefix
+        once; :meth:`delete` releases all of them.
         """
-        reply = await self._call(
-            "POST", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+        return _chunks_affected(
+            await self._call(
+                "POST", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+            )
         )
-        return int(reply.get("affected", 0))
 
     async def unpin(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
-        """Undo one :meth:`pin`; returns the keys the prefix resolves to (pinned or not)."""
-        reply = await self._call(
-            "DELETE", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+        """Undo one :meth:`pin`; returns the prefix's complete chunks (pinned before or not)."""
+        return _chunks_affected(
+            await self._call(
+                "DELETE", self._coord("/cache/pins"), self._tokens(token_ids, cache_salt)
+            )
         )
-        return int(reply.get("affected", 0))
 
     async def delete(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Delete the prefix's stored chunks from every tier and unpin them; returns chunks deleted."""
@@ -183,33 +186,54 @@ class LMCacheAdapter:
     async def delete_prefix(
         self, token_ids: Sequence[int], *, cache_salt: str | None = None, force: bool = False
     ) -> DeleteResult:
-        """Look up the prefix's keys, ``DELETE /cache/objects`` them per (server, tier), unpin.
+        """Look up the prefix's keys, ``DELETE /cache/objects`` them on each server, unpin.
 
+        Per server holding any of them: an ``l1`` delete of the keys it has in L1, then an
+        ``l2`` delete of every key it holds anywhere, since L1 is written through to L2
+        asynchronously and the coordinator may not know of an L2 copy yet (L2 deletes are
+        idempotent; a server without L2 answers 503, which means nothing to delete there).
         The MP server's delete ignores the coordinator's L2 pins (only the coordinator's own
-        ``/cache/delete`` filters them), so an explicit evict wins over an earlier offload.
-        ``force`` also deletes L1 objects that are read/write-locked by a running transfer.
+        ``/cache/delete`` honours them), so an explicit evict wins over an earlier offload.
+        ``force`` also deletes L1 objects locked by a transfer in flight. Keys the coordinator
+        has not heard of yet (a store still in flight) are not seen: look up again to be sure.
         """
         stored = [c for c in await self.chunks(token_ids, cache_salt=cache_salt) if c.placed]
-        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for chunk in stored:
-            for kp in chunk.keys:
-                for placement in kp.placements:
-                    groups.setdefault((placement.instance_id, placement.tier), []).append(kp.key)
-        urls = await self._instance_urls() if groups else {}
-        deleted: dict[str, int] = dict.fromkeys(TIERS, 0)
-        skipped = 0
-        for (instance_id, tier), keys in groups.items():
-            # A server the registry gives no address for (a single-server deployment that
-            # does not register, or one gone since): try the configured server; keys it
-            # does not hold come back as skipped.
-            url = urls.get(instance_id, self.config.server_url.rstrip("/"))
-            body = {"keys": keys, "tier": tier, "force": force}
-            reply = await self._call("DELETE", f"{url}/cache/objects", body)
-            deleted[tier] = deleted.get(tier, 0) + int(reply.get("deleted", 0))
-            skipped += int(reply.get("skipped", 0))
+        per_server: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+        for kp in (kp for chunk in stored for kp in chunk.keys):
+            for instance_id in {p.instance_id for p in kp.placements}:
+                in_l1, anywhere = per_server.setdefault(instance_id, ([], []))
+                anywhere.append(kp.key)
+                if any(p.tier == "l1" and p.instance_id == instance_id for p in kp.placements):
+                    in_l1.append(kp.key)
+        urls = await self._instance_urls() if per_server else {}
+        deleted, skipped = dict.fromkeys(TIERS, 0), 0
+        for instance_id, (in_l1, anywhere) in per_server.items():
+            # An instance the registry gives no address for (a sim that does not register, a
+            # server gone since): try the configured server; keys it lacks are not counted.
+            url = urls.get(instance_id, self.config.server_url.rstrip("/")) + "/cache/objects"
+            for tier, keys in (("l1", in_l1), ("l2", anywhere)):
+                if keys:
+                    removed, refused = await self._delete_objects(url, tier, keys, force)
+                    deleted[tier] += removed
+                    # Only L1 refuses (locks); an L2 copy already gone is not a refusal.
+                    skipped += refused if tier == "l1" else 0
         unpinned = await self._unpin_all(token_ids, cache_salt)
-        # A skipped key keeps (at most) one chunk alive; counts are per key, chunks per prefix.
+        # A refused key keeps (at most) one chunk alive; counts are per key, chunks per prefix.
         return DeleteResult(max(0, len(stored) - skipped), deleted, skipped, unpinned)
+
+    async def _delete_objects(
+        self, url: str, tier: str, keys: list[dict[str, Any]], force: bool
+    ) -> tuple[int, int]:
+        """One ``DELETE /cache/objects``: (keys deleted, keys refused as locked)."""
+        try:
+            reply = await self._call("DELETE", url, {"keys": keys, "tier": tier, "force": force})
+        except EngineRejected as exc:
+            if tier == "l2" and exc.status == 503:  # no L2 adapter on that server
+                return 0, 0
+            raise
+        if reply.get("ok") is False:  # the L2 adapter raised; the server reports, not fails
+            raise AdapterError(f"LMCache {tier} delete failed: {reply.get('error', '?')}")
+        return int(reply.get("deleted", 0)), int(reply.get("skipped", 0))
 
     async def prefetch_to_l1(
         self,
@@ -386,6 +410,13 @@ async def _map_errors(method: str, url: str) -> AsyncIterator[None]:
         raise EngineUnavailable(f"LMCache {method} {url}: {exc!r}") from exc
     except (aiohttp.ClientError, ValueError) as exc:  # bad payload / undecodable JSON
         raise AdapterError(f"LMCache {method} {url}: {exc!r}") from exc
+
+
+def _chunks_affected(reply: dict[str, Any]) -> int:
+    """Chunks a pin reply covers: ``requested`` counts chunks, ``affected`` keys (chunks x
+    ranks x object groups), so report chunks, and none when no key was touched."""
+    affected = int(reply.get("affected", 0))
+    return min(int(reply.get("requested", affected)), affected) if affected else 0
 
 
 def _detail(text: str, limit: int = 300) -> str:

@@ -4,9 +4,10 @@ Import the fixtures into a test module (``from tests.realengine.lmcache_fixtures
 by name). ``lmcache_stack`` runs ``deploy/local/lmcache-stack.sh`` (coordinator + MP server) on
 free ports with a private run/L2 folder; ``lmcache_vllm`` starts vLLM with a 200-block pool of
 32-token blocks, prefix caching, ``PYTHONHASHSEED=0`` and dev mode, attached to that server.
-Both live for the test session. ``_clean_prefix_cache`` overrides the conftest's autouse fixture
-of that name in the importing module, so those tests reset THIS engine's prefix cache (vLLM's
-own cache only: LMCache keeps its copies) and never start the plain engine.
+Both live for the importing module only, so this engine does not idle beside the plain one
+while other modules run (2 cores). ``_clean_prefix_cache`` overrides the conftest's autouse
+fixture of that name in the importing module, so those tests reset THIS engine's prefix cache
+(vLLM's own cache only: LMCache keeps its copies) and do not start the plain engine.
 
 Setup: ``deploy/local/engine-setup.sh`` then ``deploy/local/lmcache-install.sh``; without the
 LMCache venv or the connector in the engine venv the tests are skipped with that instruction.
@@ -112,7 +113,7 @@ def lmcache_engine_python() -> tuple[Path, Path]:
     return python, model_dir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lmcache_stack(
     lmcache_engine_python: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LMCacheStack]:
@@ -142,7 +143,7 @@ def lmcache_stack(
         shutil.rmtree(folder / "l2", ignore_errors=True)  # ~6 MB per chunk on disk
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lmcache_vllm(
     lmcache_engine_python: tuple[Path, Path], lmcache_stack: LMCacheStack
 ) -> Iterator[LMCacheVLLM]:

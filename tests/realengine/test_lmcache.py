@@ -47,7 +47,7 @@ def aligned(n: int) -> int:
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]], done: Callable[[T], bool], within: float = 20.0
+    probe: Callable[[], Awaitable[T]], done: Callable[[T], bool], within: float = 60.0
 ) -> T:
     """Poll ``probe`` until ``done``: LMCache stores, and reports to the coordinator, async."""
     deadline = asyncio.get_running_loop().time() + within
@@ -87,10 +87,6 @@ async def store(c: Clients, prompt: list[int], *, cache_salt: str | None = None)
     await c.vllm.touch_tokens(prompt, cache_salt=cache_salt)
     want = aligned(len(prompt))
     return await eventually(lambda: c.lmc.lookup(prompt, cache_salt=cache_salt), want.__eq__)
-
-
-async def _files(l2_dir: Path, hashes: set[str]) -> list[Path]:
-    return l2_files(l2_dir, hashes)
 
 
 async def _tiers(lmc: LMCacheAdapter, prompt: list[int]) -> list[set[str]]:
@@ -139,9 +135,12 @@ async def test_pin_and_unpin_answer_with_the_chunk_count(clients: Clients) -> No
 async def test_delete_removes_every_tier_the_l2_files_and_the_pins(clients: Clients) -> None:
     prompt = tokens(301, 800)
     assert await store(clients, prompt) == 768
+    # L1 is written through to L2 asynchronously: wait until the coordinator knows both copies.
+    both = [{"l1", "l2"}] * 3
+    assert await eventually(lambda: _tiers(clients.lmc, prompt), both.__eq__) == both
     hashes = {c.chunk_hash for c in await clients.lmc.chunks(prompt)}
     l2_dir = clients.engine.stack.l2_dir
-    assert len(await eventually(lambda: _files(l2_dir, hashes), lambda f: len(f) == 3)) == 3
+    assert len(l2_files(l2_dir, hashes)) == 3
     objects_before = (await clients.lmc.l1_status()).objects
     await clients.lmc.pin(prompt)
     await clients.lmc.pin(prompt)
@@ -162,6 +161,8 @@ async def test_delete_removes_every_tier_the_l2_files_and_the_pins(clients: Clie
 async def test_clear_l1_keeps_l2_and_prefetch_brings_it_back(clients: Clients) -> None:
     prompt = tokens(401, 600)
     assert await store(clients, prompt) == 512
+    both = [{"l1", "l2"}] * 2  # clear only once the write-through to L2 has landed
+    assert await eventually(lambda: _tiers(clients.lmc, prompt), both.__eq__) == both
     await clients.lmc.clear_l1()
     tiers = await eventually(lambda: _tiers(clients.lmc, prompt), lambda t: t == [{"l2"}, {"l2"}])
     assert tiers == [{"l2"}, {"l2"}]
@@ -169,8 +170,7 @@ async def test_clear_l1_keeps_l2_and_prefetch_brings_it_back(clients: Clients) -
     assert (await clients.lmc.l1_status()).objects == 0
 
     assert await clients.lmc.prefetch_to_l1(prompt) == 2
-    tiers = await eventually(lambda: _tiers(clients.lmc, prompt), lambda t: t == [{"l1", "l2"}] * 2)
-    assert tiers == [{"l1", "l2"}] * 2
+    assert await eventually(lambda: _tiers(clients.lmc, prompt), both.__eq__) == both
 
 
 async def test_cache_salt_isolates_keys_and_quota_reports_usage(clients: Clients) -> None:
@@ -180,7 +180,7 @@ async def test_cache_salt_isolates_keys_and_quota_reports_usage(clients: Clients
     assert await clients.lmc.lookup(prompt, cache_salt="tenant-b") == 0
 
     await clients.lmc.set_quota("tenant-a", 0.5)
-    quota = await clients.lmc.get_quota("tenant-a")
+    quota = await eventually(lambda: clients.lmc.get_quota("tenant-a"), lambda q: q.usage_gb > 0)
     assert (quota.exists, quota.limit_gb) == (True, 0.5)
     assert quota.usage_gb > 0  # two ~5.9 MB chunks
     await clients.lmc.delete_quota("tenant-a")

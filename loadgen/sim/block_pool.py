@@ -4,8 +4,10 @@ Mirrors ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.FreeKVCacheBlockQueu
 
 - ``num_blocks`` blocks; block 0 is popped at start as the *null block* and never handed out,
   so ``--num-blocks 200`` leaves 199 usable blocks, exactly like ``--num-gpu-blocks-override 200``.
-- The free queue is a doubly linked list: allocation pops from the head, freeing appends to
-  the tail, and a prefix hit removes a cached block from the middle (O(1)).
+- The free queue is a doubly linked list: allocation pops from the head and a prefix hit
+  removes a cached block from the middle (O(1)). Freeing (vLLM 0.32 ``free_blocks``) appends
+  blocks that hold a hash to the tail (LRU) and PREPENDS blocks without one (a request's
+  partial tail block) to the head, in the order given, for LIFO reuse.
 - A freed block keeps its hash (it stays an eviction candidate) until it is popped again;
   popping a cached block evicts it and emits ``BlockRemoved``.
 - Identical blocks are not de-duplicated: two requests computing the same block at once both
@@ -27,13 +29,18 @@ MEDIUM_CPU = "CPU"
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """New full blocks entered a tier (vLLM ``BlockStored``)."""
+    """New full blocks entered a tier (vLLM ``BlockStored``).
+
+    ``extra_keys`` has one entry per block, untagged as vLLM publishes them: ``[salt]`` for a
+    salted chain's first block, else None.
+    """
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_GPU
+    extra_keys: list[list[str] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,16 @@ class FreeBlockQueue:
         nxt.prev = prev
         block.prev = block.next = None
         self.num_free -= 1
+
+    def prepend_n(self, blocks: Sequence[Block]) -> None:
+        """Put blocks at the head, ``blocks[0]`` first."""
+        for block in reversed(blocks):
+            first = self._head.next
+            assert first is not None
+            block.prev, block.next = self._head, first
+            first.prev = block
+            self._head.next = block
+            self.num_free += 1
 
     def append(self, block: Block) -> None:
         last = self._tail.prev
@@ -178,11 +195,16 @@ class BlockPool:
         self.events.append(BlockRemoved([event_id(block_hash)]))
 
     def free_blocks(self, ordered: Iterable[Block]) -> None:
-        """Release blocks; those reaching ref 0 join the tail in the given order."""
+        """Release blocks; at ref 0, hashed ones join the tail, unhashed ones the head."""
+        reuse_first: list[Block] = []
         for block in ordered:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and block is not self.null_block:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    reuse_first.append(block)
+                else:
+                    self.free_queue.append(block)
+        self.free_queue.prepend_n(reuse_first)
 
     def cache_full_blocks(
         self,
@@ -191,6 +213,7 @@ class BlockPool:
         token_ids: Sequence[int],
         num_cached: int,
         num_full: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Register blocks ``[num_cached, num_full)`` of a request and emit one BlockStored."""
         if num_full <= num_cached:
@@ -205,7 +228,10 @@ class BlockPool:
         parent = event_id(hashes[num_cached - 1]) if num_cached > 0 else None
         bs = self.block_size
         tokens = list(token_ids[num_cached * bs : num_full * bs])
-        self.events.append(BlockStored(new_ids, parent, tokens, bs))
+        extra: list[list[str] | None] = [None] * (num_full - num_cached)
+        if cache_salt and num_cached == 0:
+            extra[0] = [cache_salt]
+        self.events.append(BlockStored(new_ids, parent, tokens, bs, extra_keys=extra))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash; refused (False) while any block is held by a request."""

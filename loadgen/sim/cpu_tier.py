@@ -104,6 +104,9 @@ class CpuTier:
             ct = self.chunk_tokens
             tokens = list(token_ids[i * ct : (i + 1) * ct])
             self.chunks[key] = Chunk(key, cache_salt, hashes, parent, tokens)
+            extra: list[list[str] | None] = [None] * len(hashes)
+            if cache_salt and i == 0:
+                extra[0] = [cache_salt]
             self.events.append(
                 BlockStored(
                     [event_id(h) for h in hashes],
@@ -111,6 +114,7 @@ class CpuTier:
                     tokens,
                     self.block_size,
                     MEDIUM_CPU,
+                    extra,
                 )
             )
             new += 1

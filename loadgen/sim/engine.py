@@ -256,7 +256,9 @@ class SimEngine:
             local = len(hits) * self.config.block_size
             external = self._external_hit(req, local)
             n = min(self._cap(seq.num_tokens - local - external), budget)
-            if not self.kv.allocate_slots(seq, n, local + external, hits):
+            if not self.kv.allocate_slots(
+                seq, n, local + external, hits, full_sequence_must_fit=True
+            ):
                 break
             self.waiting.popleft()
             self.running.append(req)

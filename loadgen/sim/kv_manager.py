@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.block_hash import sha256_cbor
+from adapters.block_hash import event_id, sha256_cbor
 from loadgen.sim.block_pool import Block, BlockPool
 
 
@@ -36,7 +36,11 @@ class Sequence:
 
 
 class BlockHashCache:
-    """Incremental chained hashing: each request hashes only its new full blocks, once."""
+    """Incremental chained hashing: each request hashes only its new full blocks, once.
+
+    vLLM 0.32 tags each extra key with its source: a salted chain's first block hashes
+    ``(parent, tokens, (("cache_salt", salt),))`` (``generate_block_hash_extra_keys``).
+    """
 
     def __init__(self, block_size: int, hash_seed: str) -> None:
         self.block_size = block_size
@@ -46,11 +50,24 @@ class BlockHashCache:
         bs, tokens, hashes = self.block_size, seq.token_ids, seq.block_hashes
         parent = hashes[-1] if hashes else self.none_hash
         for i in range(len(hashes), len(tokens) // bs):
-            extra: tuple[Any, ...] | None = (
-                (seq.cache_salt,) if (seq.cache_salt and i == 0) else None
-            )
+            extra: tuple[Any, ...] | None = None
+            if seq.cache_salt and i == 0:
+                extra = (("cache_salt", seq.cache_salt),)
             parent = sha256_cbor((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra))
             hashes.append(parent)
+
+
+def block_ids(
+    token_ids: list[int],
+    *,
+    block_size: int = 32,
+    hash_seed: str = "0",
+    cache_salt: str | None = None,
+) -> list[int]:
+    """KV-event ids of a token sequence's full blocks, exactly as vLLM 0.32 hashes them."""
+    seq = Sequence("-", token_ids, cache_salt)
+    BlockHashCache(block_size, hash_seed).update(seq)
+    return [event_id(h) for h in seq.block_hashes]
 
 
 @dataclass(slots=True)
@@ -93,8 +110,14 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[Block] | None = None,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
-        """Give ``seq`` slots for its computed + new tokens; False when the pool is short."""
+        """Give ``seq`` slots for its computed + new tokens; False when the pool is short.
+
+        ``full_sequence_must_fit`` (vLLM 0.32's ``scheduler_reserve_full_isl``, on for waiting
+        requests) admits a request only if its whole sequence fits, not just this chunk.
+        """
         hits = new_computed_blocks or []
         blocks = self.req_blocks.get(seq.request_id)
         held = len(blocks) if blocks is not None else 0
@@ -103,6 +126,10 @@ class KVCacheManager:
         required = -(-total // self.block_size)
         num_new_blocks = required - len(hits) - held
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if full_sequence_must_fit:
+            full_blocks = -(-seq.num_tokens // self.block_size) - len(hits) - held
+            if max(full_blocks, 0) + evictable_hits > self.pool.num_free:
+                return False
         if max(num_new_blocks, 0) + evictable_hits > self.pool.num_free:
             return False
         if blocks is None:
@@ -121,7 +148,9 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         self.hasher.update(seq)
-        self.pool.cache_full_blocks(blocks, seq.block_hashes, seq.token_ids, num_cached, num_full)
+        self.pool.cache_full_blocks(
+            blocks, seq.block_hashes, seq.token_ids, num_cached, num_full, seq.cache_salt
+        )
         self.num_cached_blocks[seq.request_id] = num_full
 
     def free(self, seq: Sequence) -> None:

@@ -22,6 +22,7 @@ from adapters.kv_events import (
     decode_batch,
 )
 from loadgen.sim import SimConfig, Simulator, run_simulator
+from loadgen.sim.kv_manager import block_ids
 
 HASHER = BlockHasher(block_size=32, hash_seed="0")
 
@@ -82,7 +83,8 @@ async def test_wire_format_and_hashes(sim: Simulator, zctx: zmq.asyncio.Context)
     assert events == [
         {"type": "BlockStored", "block_hashes": HASHER.block_ids(prompt),
          "parent_block_hash": None, "token_ids": prompt[:96], "block_size": 32,
-         "lora_id": None, "medium": "GPU", "lora_name": None}
+         "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None] * 3,
+         "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
     ]  # fmt: skip
 
 
@@ -102,7 +104,7 @@ async def test_eviction_events_and_salted_hashes(sim: Simulator, zctx: zmq.async
         if isinstance(e, BlockRemoved)
         for h in e.block_hashes
     ]
-    a_ids = HASHER.block_ids(a, cache_salt="t1")
+    a_ids = block_ids(a, cache_salt="t1")  # vLLM 0.32 tags the salt: (("cache_salt", s),)
     assert list(stored[0].block_hashes) == a_ids
     assert list(stored[1].block_hashes) == HASHER.block_ids(b)
     # b needed 20 blocks: 19 never-used ones, then a's LAST block (a's blocks were freed tail first)

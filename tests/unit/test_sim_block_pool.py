@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from adapters.block_hash import BlockHasher
+from adapters.block_hash import BlockHasher, event_id, sha256_cbor
 from loadgen.sim.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, KVEvent
 from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
 
@@ -19,7 +19,16 @@ HASHER = BlockHasher(block_size=BS, hash_seed="0")
 
 
 def ids(tokens: list[int], salt: str | None = None) -> list[int]:
-    return HASHER.block_ids(tokens, cache_salt=salt)
+    """Expected ids: adapters' BlockHasher when unsalted; the vLLM 0.32 salted form by hand."""
+    if salt is None:
+        return HASHER.block_ids(tokens)
+    parent = sha256_cbor("0")
+    out = []
+    for i in range(len(tokens) // BS):
+        extra = (("cache_salt", salt),) if i == 0 else None
+        parent = sha256_cbor((parent, tuple(tokens[i * BS : (i + 1) * BS]), extra))
+        out.append(event_id(parent))
+    return out
 
 
 def make(num_blocks: int) -> tuple[KVCacheManager, list[KVEvent]]:
@@ -65,13 +74,13 @@ CASES = [
         "a finished request goes to the tail in reverse",
         [("admit", "a", A), ("free", "a", [])],
         [0],
-        [4, 5, 6, 7, 3, 2, 1],
+        [3, 4, 5, 6, 7, 2, 1],  # partial block 3 (no hash) to the head; 2, 1 to the tail
     ),
     Case(
         "a hit pulls blocks out of the queue; they return at the tail",
         [("admit", "a", A), ("free", "a", []), ("admit", "b", B), ("free", "b", [])],
         [0, 8],
-        [5, 6, 7, 3, 4, 2, 1],
+        [4, 5, 6, 7, 3, 2, 1],  # b popped 3 (head) and filled it: now hashed, so tail
     ),
     Case(
         "a running request's blocks are not in the queue",
@@ -106,11 +115,11 @@ def test_eviction_from_head_emits_block_removed_in_pop_order() -> None:
     kv, events = make(8)
     SEQS.clear()
     admit(kv, "a", A)
-    free(kv, "a")  # queue: 4 5 6 7 3 2 1
-    admit(kv, "b", B)  # hits 1,2; pops 4
-    free(kv, "b")  # queue: 5 6 7 3 4 2 1  (4 holds B's 3rd block)
+    free(kv, "a")  # queue: 3 4 5 6 7 2 1 (3, the partial block, went to the head)
+    admit(kv, "b", B)  # hits 1,2; pops 3
+    free(kv, "b")  # queue: 4 5 6 7 3 2 1  (3 holds B's 3rd block)
     events.clear()
-    assert admit(kv, "c", C) == 0  # pops all 7: 5 6 7 3 4 2 1
+    assert admit(kv, "c", C) == 0  # pops all 7: 4 5 6 7 3 2 1
     a_ids, b_ids = ids(A), ids(B)
     removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
     assert removed == [b_ids[2], a_ids[1], a_ids[0]]
@@ -159,18 +168,21 @@ def test_cache_salt_isolates_the_whole_chain() -> None:
     assert admit(kv, "c", A, salt="tenant-1") == 8
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert stored[0].block_hashes == ids(A, "tenant-1")
+    assert stored[0].extra_keys == [["tenant-1"], None]
     assert stored[1].block_hashes == ids(A)
+    assert stored[1].extra_keys == [None, None]
     assert ids(A, "tenant-1")[0] != ids(A)[0]
 
 
-def test_incremental_hashes_match_block_hasher() -> None:
+@pytest.mark.parametrize("salt", [None, "s"])
+def test_incremental_hashes_match_whole_sequence_hashing(salt: str | None) -> None:
     cache = BlockHashCache(BS, "0")
-    seq = Sequence("r", A[:5], "s")
+    seq = Sequence("r", A[:5], salt)
     cache.update(seq)
     for t in A[5:]:
         seq.token_ids.append(t)
         cache.update(seq)
-    assert seq.block_hashes == HASHER.digests(A, cache_salt="s")
+    assert [event_id(h) for h in seq.block_hashes] == ids(A, salt)
 
 
 def test_reset_refused_while_blocks_are_held_then_clears_all() -> None:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -310,7 +311,10 @@ class LMCacheAdapter:
         """The MP server's L1 occupancy (``GET /status``), summed over its L1 managers."""
         reply = await self._call("GET", self._server("/status"))
         storage: dict[str, Any] = reply.get("storage_manager", {})
-        managers: list[dict[str, Any]] = list(storage.get("l1_managers", {}).values())
+        # One entry per tagged L1 (DRAM, DEVDAX...); older servers report the single manager.
+        managers: list[dict[str, Any]] = list(storage.get("l1_managers", {}).values()) or [
+            storage.get("l1_manager", {})
+        ]
         return L1Status(
             objects=sum(int(m.get("total_object_count", 0)) for m in managers),
             used_bytes=sum(int(m.get("memory_used_bytes", 0)) for m in managers),
@@ -340,11 +344,11 @@ class LMCacheAdapter:
 
     async def set_quota(self, cache_salt: str, limit_gb: float) -> None:
         """Set a per-salt byte budget on the MP server."""
-        await self._call("PUT", self._server(f"/quota/{cache_salt}"), {"limit_gb": limit_gb})
+        await self._call("PUT", self._quota(cache_salt), {"limit_gb": limit_gb})
 
     async def get_quota(self, cache_salt: str) -> Quota:
         """The per-salt budget and current usage."""
-        reply = await self._call("GET", self._server(f"/quota/{cache_salt}"))
+        reply = await self._call("GET", self._quota(cache_salt))
         return Quota(
             cache_salt=str(reply.get("cache_salt", cache_salt)),
             limit_gb=float(reply.get("limit_gb", 0.0)),
@@ -354,7 +358,7 @@ class LMCacheAdapter:
 
     async def delete_quota(self, cache_salt: str) -> None:
         """Remove a per-salt budget."""
-        await self._call("DELETE", self._server(f"/quota/{cache_salt}"))
+        await self._call("DELETE", self._quota(cache_salt))
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -363,6 +367,9 @@ class LMCacheAdapter:
 
     def _server(self, path: str) -> str:
         return self.config.server_url.rstrip("/") + path
+
+    def _quota(self, cache_salt: str) -> str:
+        return self._server(f"/quota/{quote(cache_salt, safe='')}")  # a salt is any string
 
     def _tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> dict[str, Any]:
         return {

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from adapters.base import EngineRejected, EngineUnavailable, Unsupported
+from adapters.base import EngineAdapter, EngineRejected, EngineUnavailable, Unsupported
 from adapters.block_hash import event_id, sha256_cbor
 from adapters.kv_events import BlockRemoved, BlockStored, EventBatch, KVEventSubscriber
 from adapters.residency import ResidencyIndex
@@ -196,6 +196,7 @@ async def test_event_endpoint_discovery(
     found = await discover_event_endpoint(session, vllm_engine.url)
     assert found == EventEndpoints(vllm_engine.events_endpoint, vllm_engine.replay_endpoint, "kv")
     bare = VLLMAdapter("e1", vllm_engine.url, session, model="smol")
+    assert isinstance(bare, EngineAdapter)
     assert "kv_events" not in bare.capabilities
     assert await bare.discover_events() == found
     assert "kv_events" in bare.capabilities

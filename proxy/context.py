@@ -18,6 +18,7 @@ class RecordedContext:
     route: str
     body: dict[str, Any]
     breakpoint: tuple[str, int] | None = None
+    block_offset: int | None = None  # protect only the first N blocks (RFC cache_control)
 
     def prefix_body(self) -> dict[str, Any]:
         """The body cut at the Anthropic cache breakpoint (the protected prefix), if any."""
@@ -32,8 +33,14 @@ class RecordedContext:
         return body
 
 
-def encode_context(route: str, body: bytes, breakpoint: tuple[str, int] | None = None) -> bytes:
-    header = json.dumps({"route": route, "breakpoint": breakpoint}, separators=(",", ":"))
+def encode_context(
+    route: str,
+    body: bytes,
+    breakpoint: tuple[str, int] | None = None,
+    block_offset: int | None = None,
+) -> bytes:
+    meta = {"route": route, "breakpoint": breakpoint, "block_offset": block_offset}
+    header = json.dumps(meta, separators=(",", ":"))
     return MAGIC + header.encode() + b"\n" + zlib.compress(body, 1)
 
 
@@ -44,4 +51,6 @@ def decode_context(blob: bytes) -> RecordedContext:
     meta = json.loads(header)
     body = json.loads(zlib.decompress(payload))
     bp = meta.get("breakpoint")
-    return RecordedContext(meta["route"], body, (bp[0], int(bp[1])) if bp else None)
+    return RecordedContext(
+        meta["route"], body, (bp[0], int(bp[1])) if bp else None, meta.get("block_offset")
+    )

@@ -88,6 +88,9 @@ class Metrics:
         self.warmup_recomputed_tokens = Counter(
             "kvkeeper_warmup_recomputed_tokens", "Prompt tokens warm-ups recomputed", registry=r
         )
+        self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
+        self.prefetches = Counter("kvkeeper_prefetches", "Prefetch warm-ups run", registry=r)
+        self.evictions = Counter("kvkeeper_evictions", "Sessions evicted by edits", registry=r)
         self.expiries = Counter("kvkeeper_expiries", "Session TTLs that expired", registry=r)
         self.pressure_overrides = Counter(
             "kvkeeper_pressure_overrides", "Protections lapsed by the soft-TTL budget", registry=r

@@ -148,6 +148,42 @@ def document() -> dict[str, Any]:
                 },
             },
         },
+        "/admin/sessions/{session_id}/{op}": {
+            "post": {
+                "summary": "pin | offload | prefetch | evict one session (optional block range)",
+                "security": [{"bearer": []}],
+                "parameters": [
+                    _SID,
+                    {
+                        "name": "op",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"enum": ["pin", "offload", "prefetch", "evict"]},
+                    },
+                    _TENANT,
+                ],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "block_start": {"type": "integer", "minimum": 0},
+                                    "block_end": {"type": "integer", "minimum": 1},
+                                    "ttl": {"type": "number", "exclusiveMinimum": 0},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _resp("applied / unsupported / rejected / failed, with detail"),
+                    **_errors(400, 401, 404, 503),
+                },
+            }
+        },
         "/admin/engines": {
             "get": {
                 "summary": "Engines with health and load",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 
 from aiohttp import ClientResponse, web
 
-from proxy.context import encode_context
+from proxy.context import RecordedContext, encode_context
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
@@ -134,22 +135,29 @@ async def _after(
     engine: Engine,
     usage: Usage | None,
 ) -> None:
-    """Off the hot path: record usage + context, then run deferred edits."""
+    """Off the hot path: record usage + context, feed retention, then run deferred edits."""
     assert rt.store is not None
-    context = encode_context(route, body, hint.breakpoint)
+    sid = hint.session_id
     try:
+        previous = None
+        if rt.retention is not None and rt.retention.wants_previous(engine.name):
+            previous = await rt.store.get(tenant, sid)
+        context = encode_context(route, body, hint.breakpoint, hint.block_offset)
         await rt.store.record_completion(
             tenant,
-            hint.session_id,
+            sid,
             engine=engine.name,
             usage=usage or Usage(),
             context=context,
             now=time.time(),
         )
+        if rt.retention is not None:
+            ctx = RecordedContext(route, json.loads(body), hint.breakpoint, hint.block_offset)
+            await rt.retention.on_completion(tenant, sid, ctx, engine.name, usage, previous)
     except StoreDown:
         return
     if hint.edits:
-        results = await rt.edits.apply(tenant, hint.session_id, hint.edits)
+        results = await rt.edits.apply(tenant, sid, hint.edits)
         for r in results:
             rt.metrics.edits.labels(r.edit.type, r.status).inc()
 

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -19,6 +19,9 @@ from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.store import SessionStore, StoreDown, StoreRejected, Upserted
 from proxy.upstream import Engine, EnginePool
+
+if TYPE_CHECKING:
+    from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
 
@@ -39,6 +42,7 @@ class Runtime:
     pool: EnginePool
     store: SessionStore | None
     edits: EditExecutor = field(default_factory=UnsupportedEdits)
+    retention: Retention | None = None
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _rr: itertools.count[int] = field(default_factory=itertools.count)

@@ -24,6 +24,17 @@ class ConfigError(Exception):
     """Settings that cannot start the service; the message says which and why."""
 
 
+class OffloadTierSpec(BaseModel):
+    """An LMCache multi-process stack beside an engine (coordinator + MP server HTTP APIs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coordinator_url: str
+    server_url: str
+    model_name: str  # the engine's --model value: LMCache keys carry it
+    chunk_size: int = Field(default=256, gt=0)
+
+
 class EngineSpec(BaseModel):
     """One engine replica: its HTTP base URL and, optionally, its KV-event endpoint."""
 
@@ -32,6 +43,7 @@ class EngineSpec(BaseModel):
     url: str
     events: str | None = None  # tcp://host:port of the ZMQ PUB socket; None = discover/none
     name: str | None = None
+    lmcache: OffloadTierSpec | None = None
 
     @field_validator("url")
     @classmethod
@@ -82,6 +94,22 @@ class UpstreamSettings(BaseModel):
     api_key: str | None = None  # sent to engines instead of the client's Authorization
 
 
+class RetentionSettings(BaseModel):
+    """The retention worker: touches before LRU, expiry, the soft-TTL budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    tick_s: float = Field(default=0.5, gt=0)
+    safety_fraction: float = Field(default=0.5, gt=0, le=1)  # touch at this share of the horizon
+    max_concurrent_touches: int = Field(default=4, gt=0)
+    budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
+    fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
+    lease_ttl_s: float = Field(default=3.0, gt=0)
+    hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
+    block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
+
+
 class Settings(BaseSettings):
     """Everything ``kvkeeper serve`` needs."""
 
@@ -99,6 +127,7 @@ class Settings(BaseSettings):
     health_interval_s: float = Field(default=5.0, gt=0)
     limits: Limits = Field(default_factory=Limits)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
     log_level: str = "INFO"
 
     @model_validator(mode="after")

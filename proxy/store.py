@@ -77,6 +77,14 @@ class Session:
     counters: dict[str, int] = field(default_factory=dict)
     children: tuple[str, ...] = ()
     context_bytes: int = 0
+    last_used: float = 0.0
+    last_touch: float = 0.0
+    last_prompt_tokens: int = 0
+
+    @property
+    def last_active(self) -> float:
+        """When its prefix was last used by a request or refreshed by a touch."""
+        return max(self.last_used, self.last_touch, self.last_seen)
 
     def ttl_left(self, now: float) -> float:
         return max(0.0, self.ttl_until - now)
@@ -97,6 +105,8 @@ class Session:
             "retention": self.retention,
             "counters": self.counters,
             "context_bytes": self.context_bytes,
+            "last_used": self.last_used or None,
+            "last_touch": self.last_touch or None,
         }
 
 
@@ -107,7 +117,11 @@ _COUNTERS = (
     "completion_tokens",
     "touches",
     "touch_tokens",
+    "warmups",
+    "warmup_tokens",
+    "expiries",
 )
+_SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease")
 
 
 def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len: int) -> Session:
@@ -127,6 +141,9 @@ def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len
         counters={k: int(d.get(k, 0)) for k in _COUNTERS},
         children=tuple(sorted(c.decode() for c in children)),
         context_bytes=ctx_len,
+        last_used=float(d.get("last_used", 0)),
+        last_touch=float(d.get("last_touch", 0)),
+        last_prompt_tokens=int(d.get("last_prompt_tokens", 0)),
     )
 
 
@@ -157,9 +174,7 @@ class SessionStore:
         self._cooldown_s = cooldown_s
         self._down_until = 0.0
         self._on_error = on_error
-        self.scripts = ScriptBatcher(
-            redis, {name: _script(f"{name}.lua") for name in ("upsert", "complete", "free")}
-        )
+        self.scripts = ScriptBatcher(redis, {name: _script(f"{name}.lua") for name in _SCRIPTS})
 
     # --- keys ---------------------------------------------------------------------------------
     def key(self, kind: str, tenant: str, sid: str) -> str:
@@ -338,3 +353,76 @@ class SessionStore:
         )
         pairs = (_text(m).split(SEP, 1) for m in raw)
         return [(p[0], p[1]) for p in pairs if len(p) == 2]
+
+    # --- retention ------------------------------------------------------------------------------
+    def _member(self, tenant: str, sid: str) -> str:
+        return f"{tenant}{SEP}{sid}"
+
+    async def expire(self, tenant: str, sid: str, now: float) -> bool:
+        """Expire the session's TTL if its deadline passed; True when this call did it."""
+        keys = [self.key("s", tenant, sid), self.deadlines_key]
+        args: list[str | int] = [repr(now), self._member(tenant, sid)]
+        return bool(await self._call(lambda: self.scripts.call("expire", keys, args)))
+
+    async def touched(
+        self, tenant: str, sid: str, now: float, recomputed: int, *, warmup: bool = False
+    ) -> bool:
+        keys = [self.key("s", tenant, sid)]
+        args: list[str | int] = [repr(now), "warmup" if warmup else "touch", recomputed]
+        return bool(await self._call(lambda: self.scripts.call("touched", keys, args)))
+
+    async def protect(
+        self,
+        tenant: str,
+        sid: str,
+        now: float,
+        ttl_s: float,
+        *,
+        state: str = "",
+        forget_engine: bool = False,
+    ) -> bool:
+        """Set (ttl > 0) or drop (ttl == 0) protection, optionally the state; False if unknown."""
+        keys = [self.key("s", tenant, sid), self.deadlines_key]
+        args: list[str | int] = [
+            repr(now),
+            repr(ttl_s),
+            state,
+            self._member(tenant, sid),
+            "1" if forget_engine else "0",
+        ]
+        return bool(await self._call(lambda: self.scripts.call("protect", keys, args)))
+
+    async def lease(self, name: str, holder: str, ttl_ms: int) -> int:
+        """Acquire/renew the lease ``name``: the fencing token while held, else 0."""
+        keys = [f"{self.ns}:lease:{name}", f"{self.ns}:fence:{name}"]
+        args: list[str | int] = [holder, ttl_ms]
+        return int(await self._call(lambda: self.scripts.call("lease", keys, args)))
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        key = f"{self.ns}:lease:{name}"
+        current = await self._call(lambda: self.redis.get(key))
+        if current is not None and _text(current).rsplit("|", 1)[0] == holder:
+            await self._call(lambda: self.redis.delete(key))
+
+    async def protected(self, now: float, limit: int = 100_000) -> list[Session]:
+        """Every session whose TTL deadline is still ahead, across tenants."""
+        raw = await self._call(
+            lambda: self.redis.zrangebyscore(self.deadlines_key, now, "+inf", start=0, num=limit)
+        )
+        by_tenant: dict[str, list[str]] = {}
+        for member in raw:
+            tenant, _, sid = _text(member).partition(SEP)
+            by_tenant.setdefault(tenant, []).append(sid)
+        out: list[Session] = []
+        for tenant, ids in by_tenant.items():
+            out.extend(s for s in await self.get_many(tenant, ids) if s is not None)
+        return out
+
+    async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:
+        """The session's block-hash list (packed 8-byte ints), for residency lookups."""
+        key = self.key("blk", tenant, sid)
+        await self._call(lambda: self.redis.set(key, blocks, ex=self.limits.idle_expiry_s))
+
+    async def get_blocks(self, tenant: str, sid: str) -> bytes | None:
+        value = await self._call(lambda: self.redis.get(self.key("blk", tenant, sid)))
+        return value if isinstance(value, bytes) else None

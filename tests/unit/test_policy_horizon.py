@@ -111,3 +111,26 @@ def test_events_take_precedence_over_feedback() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 - the message names the field
         HorizonConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_rate_meter_window_has_no_warm_up_lag() -> None:
+    from policy.horizon import RateMeter
+
+    meter = RateMeter(window_s=5.0, min_span_s=1.0)
+    assert meter.rate(0.0) == 0.0
+    meter.add(63, 0.0)
+    assert meter.rate(0.0) == 63.0  # one batch: spread over the minimum span, not ramped up
+    for i in range(1, 21):  # 10 events every 0.5 s = 20/s
+        meter.add(10, i * 0.5)
+    assert meter.rate(10.0) == pytest.approx(20.0, rel=0.05)
+    assert meter.rate(30.0) == 0.0  # nothing in the last window
+
+
+@pytest.mark.parametrize(
+    ("free", "rate", "expected"),
+    [(200, 12.5, 16.0), (100, 0.0, math.inf), (0, 5.0, 0.0), (64, 64.0, 1.0)],
+)
+def test_fill_time_horizon(free: float, rate: float, expected: float) -> None:
+    from policy.horizon import fill_time_horizon
+
+    assert fill_time_horizon(free, rate) == expected

@@ -1,0 +1,196 @@
+"""The RFC's context edits realized from outside the engine, and the admin per-session operations.
+
+* ``evict``: stop protecting (TTL 0), forget the engine affinity (dead for routing), delete the
+  session's chunks from the offload tier except the prefix it shares with a live relative.
+* ``offload``: needs an offload tier (else ``unsupported``): make sure the prefix is stored there
+  (lookup; one touch stores it through the connector if not), pin it, then release GPU protection.
+* ``prefetch``: with a tier, stage the chunks into its memory tier; then a warm-up request on the
+  engine that will serve the resume (loads the prefix from the tier, or recomputes it).
+* ``pin`` (admin): protect for a TTL, and pin the prefix in the tier when there is one.
+
+Block ranges are session-relative logical blocks of the engine's block size (RFC ``block_start``,
+``block_end``, half-open); they must lie within the session's recorded blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from adapters.base import AdapterError
+from proxy.context import decode_context
+from proxy.edits import EditResult
+from proxy.hints import Edit
+from proxy.metrics import Metrics
+from proxy.retention import EngineState, Retention
+from proxy.store import Session, SessionStore, StoreDown
+
+
+class SessionOps:
+    """Implements :class:`proxy.edits.EditExecutor` on top of the retention layer."""
+
+    def __init__(
+        self, store: SessionStore, retention: Retention, metrics: Metrics, max_ttl_s: float
+    ) -> None:
+        self.store = store
+        self.retention = retention
+        self.metrics = metrics
+        self.max_ttl_s = max_ttl_s
+
+    async def apply(
+        self, tenant: str, session_id: str, edits: tuple[Edit, ...]
+    ) -> list[EditResult]:
+        results = []
+        for edit in edits:
+            try:
+                result = await self.run(tenant, session_id, edit)
+            except (AdapterError, StoreDown) as exc:
+                result = EditResult(edit, "failed", type(exc).__name__, {"error": str(exc)[:200]})
+            results.append(result)
+        return results
+
+    async def run(
+        self, tenant: str, sid: str, edit: Edit, ttl_s: float | None = None
+    ) -> EditResult:
+        session = await self.store.get(tenant, sid)
+        if session is None:
+            return EditResult(edit, "rejected", "unknown_session")
+        blocks = await self.retention.blocks_of(tenant, sid)
+        if edit.block_end is not None and edit.block_end > len(blocks):
+            return EditResult(
+                edit, "rejected", "range_out_of_bounds", {"session_blocks": len(blocks)}
+            )
+        es = self.retention.engines.get(session.engine or "") or next(
+            iter(self.retention.engines.values())
+        )
+        handler = {"evict": self._evict, "offload": self._offload, "prefetch": self._prefetch}
+        if edit.type in handler:
+            return await handler[edit.type](es, session, edit)
+        return await self._pin(es, session, edit, ttl_s or self.max_ttl_s)
+
+    # --- helpers ----------------------------------------------------------------------------
+    async def _tokens(self, es: EngineState, session: Session, edit: Edit) -> list[int] | None:
+        """The token ids of the session's prefix up to the edit's block_end (None: no context)."""
+        blob = await self.store.get_context(session.tenant, session.session_id)
+        if blob is None:
+            return None
+        ctx = decode_context(blob)
+        tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+        if edit.block_end is not None:
+            tokens = tokens[: edit.block_end * es.adapter.cache.block_size]
+        return tokens
+
+    async def _shared_blocks(self, session: Session) -> int:
+        """Leading blocks shared with a live parent, sibling or child (kept on evict)."""
+        relatives: list[str] = list(session.children)
+        if session.parent:
+            relatives.append(session.parent)
+            parent = await self.store.get(session.tenant, session.parent)
+            if parent is not None:
+                relatives.extend(c for c in parent.children if c != session.session_id)
+        mine = await self.retention.blocks_of(session.tenant, session.session_id)
+        shared = 0
+        for other in await self.store.get_many(session.tenant, relatives):
+            if other is None or other.state not in ("active", "protected"):
+                continue
+            theirs = await self.retention.blocks_of(other.tenant, other.session_id)
+            n = 0
+            for a, b in zip(mine, theirs, strict=False):
+                if a != b:
+                    break
+                n += 1
+            shared = max(shared, n)
+        return shared
+
+    # --- the operations -----------------------------------------------------------------------
+    async def _evict(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
+        tenant, sid = session.tenant, session.session_id
+        start = edit.block_start or 0
+        if start == 0:
+            await self.store.protect(tenant, sid, time.time(), 0, state="idle", forget_engine=True)
+        detail: dict[str, Any] = {
+            "protection": "released" if start == 0 else "kept_below_block_start"
+        }
+        if es.tier is not None:
+            tokens = await self._tokens(es, session, edit)
+            if tokens:
+                keep = max(await self._shared_blocks(session), start) * es.adapter.cache.block_size
+                if keep == 0:
+                    res = await es.tier.delete_prefix(tokens)
+                    detail["tier_chunks_deleted"] = res.chunks
+                else:  # the shared prefix stays for the live relatives; so do our later chunks
+                    detail["tier_chunks_deleted"] = 0
+                    detail["shared_tokens_kept"] = keep
+        if start > 0 and es.tier is None:
+            return EditResult(edit, "unsupported", "partial_gpu_evict_needs_offload_tier")
+        self.metrics.evictions.inc()
+        return EditResult(edit, "applied", None, detail)
+
+    async def _offload(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
+        if es.tier is None:
+            return EditResult(edit, "unsupported", "no_offload_tier")
+        tokens = await self._tokens(es, session, edit)
+        if not tokens:
+            return EditResult(edit, "rejected", "no_recorded_context")
+        chunk = es.tier.config.chunk_size
+        want = len(tokens) // chunk * chunk
+        stored = await es.tier.lookup(tokens)
+        touched = False
+        if stored < want:  # not (fully) in the tier yet: one touch stores it through the connector
+            await self.retention.replay(
+                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
+            )
+            touched = True
+            stored = await es.tier.lookup(tokens)
+        if stored < want:
+            return EditResult(
+                edit,
+                "failed",
+                "not_stored_in_tier",
+                {"stored_tokens": stored, "wanted_tokens": want},
+            )
+        pinned = await es.tier.pin(tokens[:stored])
+        await self.store.protect(
+            session.tenant, session.session_id, time.time(), 0, state="offloaded"
+        )
+        self.metrics.offloads.inc()
+        return EditResult(
+            edit,
+            "applied",
+            None,
+            {"stored_tokens": stored, "pinned_chunks": pinned, "touched": touched},
+        )
+
+    async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
+        detail: dict[str, Any] = {}
+        if es.tier is not None:
+            tokens = await self._tokens(es, session, edit)
+            if tokens:
+                detail["tier_tokens"] = await es.tier.lookup(tokens)
+        result = await self.retention.replay(
+            es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
+        )
+        if result is None:
+            return EditResult(edit, "rejected", "no_recorded_context")
+        self.metrics.prefetches.inc()
+        detail.update(
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            seconds=round(result.seconds, 4),
+        )
+        if session.state == "offloaded":
+            await self.store.protect(
+                session.tenant, session.session_id, time.time(), 0, state="idle"
+            )
+        return EditResult(edit, "applied", None, detail)
+
+    async def _pin(self, es: EngineState, session: Session, edit: Edit, ttl_s: float) -> EditResult:
+        await self.store.protect(
+            session.tenant, session.session_id, time.time(), ttl_s, state="protected"
+        )
+        detail: dict[str, Any] = {"ttl_s": ttl_s}
+        if es.tier is not None:
+            tokens = await self._tokens(es, session, edit)
+            if tokens:
+                detail["tier_pinned_chunks"] = await es.tier.pin(tokens)
+        return EditResult(edit, "applied", None, detail)

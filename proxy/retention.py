@@ -1,0 +1,546 @@
+"""Retention behind the scenes: protect, expire, evict, offload and prefetch on unmodified engines.
+
+Per engine, one proxy replica (the holder of a Redis lease) drives a tick loop:
+
+1. expire TTLs whose deadline passed (the deadline ZSET is the timer wheel);
+2. estimate the engine's LRU horizon: how long a block freed now survives. Two signals, the
+   smaller wins: the free queue ahead of a freed block over the block allocation rate (from
+   BlockStored events, ``policy.horizon.fill_time_horizon``), and a low quantile of observed
+   eviction ages (BlockRemoved of blocks whose last use is known). Without events, resume
+   feedback (``cached_tokens`` lower than expected) and a configured touch interval;
+3. apply the soft-TTL budget (``policy.budget``): protections beyond the share of the pool lapse,
+   least valuable first, reported as ``pressure_override``;
+4. touch the protected sessions whose prefix age approaches the horizon (``policy.keepalive``):
+   a ``max_tokens: 1`` request over the recorded context, bounded concurrency, one per session.
+
+Every decision is a pure function in ``policy/``; this module gathers inputs and executes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import struct
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from adapters.base import AdapterError, TouchResult, Unsupported
+from adapters.kv_events import (
+    GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventSubscriber,
+)
+from adapters.lmcache import LMCacheAdapter
+from adapters.residency import ResidencyIndex
+from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE, VLLMAdapter
+from policy import (
+    BudgetConfig,
+    BudgetSession,
+    EngineLoad,
+    HorizonConfig,
+    HorizonEstimator,
+    KeepaliveConfig,
+    ProtectedSession,
+    plan_budget,
+    plan_touches,
+)
+from policy.horizon import RateMeter, fill_time_horizon
+from proxy.context import RecordedContext, decode_context
+from proxy.metrics import Metrics
+from proxy.settings import RetentionSettings
+from proxy.store import Session, SessionStore, StoreDown, Usage
+from proxy.upstream import Engine
+from proxy.usage import normalize
+
+log = logging.getLogger("kvkeeper.retention")
+_PACK = struct.Struct(">Q")
+
+
+def pack_blocks(blocks: Iterable[int]) -> bytes:
+    return b"".join(_PACK.pack(b) for b in blocks)
+
+
+def unpack_blocks(raw: bytes) -> tuple[int, ...]:
+    return tuple(v for (v,) in _PACK.iter_unpack(raw[: len(raw) - len(raw) % 8]))
+
+
+class HorizonTap:
+    """An event sink in front of the residency index that also measures the LRU horizon.
+
+    It counts newly stored GPU blocks (the allocation rate) and, for every removed GPU block,
+    how long it sat unused: since the proxy last used it, or since it was stored.
+    """
+
+    def __init__(
+        self, index: ResidencyIndex, estimator: HorizonEstimator, clock: Any = time.time
+    ) -> None:
+        self.index = index
+        self.estimator = estimator
+        self.stores = RateMeter(window_s=10.0)
+        self._clock = clock
+        self._stored_at: dict[int, float] = {}
+        self._used_at: dict[int, float] = {}
+        self.evictions = 0
+
+    def note_used(self, blocks: Iterable[int], at: float) -> None:
+        blocks = list(blocks)
+        self.index.note_used(blocks, at)
+        for b in blocks:
+            self._used_at[b] = at
+        if len(self._used_at) > 2_000_000:
+            self._used_at.clear()
+
+    def apply(self, batch: EventBatch) -> None:
+        at = self._clock()
+        stored = 0
+        ages: list[float] = []
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium == GPU:
+                stored += len(event.block_hashes)
+                for h in event.block_hashes:
+                    self._stored_at[h] = at
+            elif isinstance(event, BlockRemoved) and event.medium == GPU:
+                for h in event.block_hashes:
+                    last = max(self._used_at.pop(h, 0.0), self._stored_at.pop(h, 0.0))
+                    if last > 0:
+                        ages.append(at - last)
+            elif isinstance(event, AllBlocksCleared):
+                self._stored_at.clear()
+        if stored:
+            self.stores.add(stored, at)
+        if ages:
+            self.evictions += len(ages)
+            self.estimator.observe_evictions(ages, at)
+        self.index.apply(batch, at)
+
+    def clear(self) -> None:
+        self._stored_at.clear()
+        self.index.clear()
+
+
+@dataclass(eq=False)
+class EngineState:
+    """Everything the retention layer holds for one engine."""
+
+    engine: Engine
+    adapter: VLLMAdapter
+    tier: LMCacheAdapter | None
+    index: ResidencyIndex = field(default_factory=ResidencyIndex)
+    estimator: HorizonEstimator = field(
+        default_factory=lambda: HorizonEstimator(HorizonConfig(min_samples=8))
+    )
+    tap: HorizonTap | None = None
+    subscriber: KVEventSubscriber | None = None
+    load: EngineLoad | None = None
+    leader_token: int = 0
+    in_flight: set[tuple[str, str]] = field(default_factory=set)
+    overridden: set[tuple[str, str]] = field(default_factory=set)
+    last_scrape: float = 0.0
+    last_horizon_s: float = math.inf
+    horizon_source: str = "unknown"
+
+    def __post_init__(self) -> None:
+        self.tap = HorizonTap(self.index, self.estimator)
+
+    @property
+    def mode(self) -> str:
+        return "events" if self.subscriber is not None else "feedback"
+
+
+def _key(tenant: str, sid: str) -> str:
+    return f"{tenant}\x1f{sid}"
+
+
+class Retention:
+    """The retention layer: hooks for the request path, the per-engine workers, and the edits."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        engines: list[EngineState],
+        settings: RetentionSettings,
+        metrics: Metrics,
+        client: aiohttp.ClientSession,
+    ) -> None:
+        self.store = store
+        self.engines = {e.engine.name: e for e in engines}
+        self.settings = settings
+        self.metrics = metrics
+        self.client = client
+        self.holder = uuid.uuid4().hex[:12]
+        self._blocks: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._touches: set[asyncio.Task[None]] = set()
+        self._tokenize = asyncio.Semaphore(8)
+        self._stopping = asyncio.Event()
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        for es in self.engines.values():
+            await self._connect(es)
+            self._tasks.append(
+                asyncio.create_task(self._run(es), name=f"retention {es.engine.name}")
+            )
+
+    async def stop(self) -> None:
+        # A stop flag as well as cancel(): a cancellation swallowed deep inside a client library
+        # must not leave a worker running (or stop() waiting for it) forever.
+        self._stopping.set()
+        tasks = [*self._tasks, *self._touches]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        for es in self.engines.values():
+            if es.subscriber is not None:
+                await es.subscriber.aclose()
+            with contextlib.suppress(StoreDown):
+                await self.store.release_lease(f"engine:{es.engine.name}", self.holder)
+
+    async def _connect(self, es: EngineState) -> None:
+        """Learn the engine's cache geometry and event endpoint; subscribe when it publishes."""
+        with contextlib.suppress(
+            AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError
+        ):
+            if self.settings.block_size is None:
+                await es.adapter.discover_cache_config()
+        with contextlib.suppress(
+            AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError
+        ):
+            await es.adapter.discover_events()
+        if es.adapter.events is not None and es.subscriber is None:
+            assert es.tap is not None
+            es.subscriber = es.adapter.subscribe(es.tap)
+        log.info(
+            "retention on %s: %s mode, block size %d",
+            es.engine.name,
+            es.mode,
+            es.adapter.cache.block_size,
+        )
+
+    # --- request path hooks -------------------------------------------------------------------
+    def wants_previous(self, engine: str) -> bool:
+        """Feedback mode learns from the session as it was before this request completed."""
+        es = self.engines.get(engine)
+        return es is not None and es.mode == "feedback"
+
+    async def on_completion(
+        self,
+        tenant: str,
+        sid: str,
+        ctx: RecordedContext,
+        engine: str,
+        usage: Usage | None,
+        previous: Session | None,
+    ) -> None:
+        """After a hinted request: learn its blocks, note their use, feed the horizon."""
+        es = self.engines.get(engine)
+        if es is None:
+            return
+        now = time.time()
+        blocks = await self._block_ids(es, ctx)
+        if blocks is not None:
+            self._blocks[(tenant, sid)] = blocks
+            assert es.tap is not None
+            es.tap.note_used(blocks, now)
+            with contextlib.suppress(StoreDown):
+                await self.store.set_blocks(tenant, sid, pack_blocks(blocks))
+        if (
+            es.mode == "feedback"
+            and usage is not None
+            and previous is not None
+            and previous.last_active
+        ):
+            # the new prompt extends the previous one: a resident prefix would hit all its blocks
+            bs = es.adapter.cache.block_size
+            expected = min(previous.last_prompt_tokens, usage.prompt_tokens - 1) // bs * bs
+            if expected > 0:
+                es.estimator.observe_resume(
+                    now - previous.last_active, usage.cached_tokens, expected, now
+                )
+
+    async def _block_ids(self, es: EngineState, ctx: RecordedContext) -> tuple[int, ...] | None:
+        if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+            return None
+        try:
+            async with self._tokenize:
+                tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+        except (AdapterError, KeyError, ValueError, TypeError):
+            return None
+        offset = ctx.block_offset
+        hasher = es.adapter.hasher
+        ids = hasher.block_ids(tokens, cache_salt=ctx.body.get("cache_salt"))
+        return tuple(ids[:offset] if offset is not None else ids)
+
+    async def blocks_of(self, tenant: str, sid: str) -> tuple[int, ...]:
+        cached = self._blocks.get((tenant, sid))
+        if cached is not None:
+            return cached
+        raw = await self.store.get_blocks(tenant, sid)
+        blocks = unpack_blocks(raw) if raw else ()
+        self._blocks[(tenant, sid)] = blocks
+        return blocks
+
+    def forget(self, tenant: str, sid: str) -> None:
+        self._blocks.pop((tenant, sid), None)
+
+    # --- the worker -----------------------------------------------------------------------------
+    async def _run(self, es: EngineState) -> None:
+        lease = f"engine:{es.engine.name}"
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        while not self._stopping.is_set():
+            try:
+                token = await self.store.lease(lease, self.holder, ttl_ms)
+                if token and token != es.leader_token:
+                    log.info(
+                        "retention: %s now drives %s (fence %d)", self.holder, es.engine.name, token
+                    )
+                es.leader_token = token
+                if token:
+                    await self.tick(es, time.time())
+            except StoreDown:
+                es.leader_token = 0
+            except Exception:  # a bad tick must not end the worker
+                log.exception("retention tick failed on %s", es.engine.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.settings.tick_s)
+
+    async def tick(self, es: EngineState, now: float) -> None:
+        await self._expire(now)
+        await self._scrape(es, now)
+        sessions = [s for s in await self.store.protected(now) if self._drives(es, s)]
+        if not sessions:
+            return
+        blocks = {
+            (s.tenant, s.session_id): await self.blocks_of(s.tenant, s.session_id) for s in sessions
+        }
+        kept = self._budget(es, sessions, blocks, now)
+        horizon = self._horizon(es, now)
+        plan = plan_touches(
+            [
+                ProtectedSession(
+                    session_id=_key(s.tenant, s.session_id),
+                    last_active_at=s.last_active,
+                    ttl_until=s.ttl_until,
+                    n_blocks=len(blocks[(s.tenant, s.session_id)]),
+                    touch_in_flight=(s.tenant, s.session_id) in es.in_flight,
+                    value=float(max(1, len(blocks[(s.tenant, s.session_id)]))),
+                )
+                for s in sessions
+                if (s.tenant, s.session_id) in kept
+            ],
+            horizon,
+            now,
+            KeepaliveConfig(
+                safety_fraction=self.settings.safety_fraction,
+                max_concurrent_touches=self.settings.max_concurrent_touches,
+                unknown_horizon_interval_s=self.settings.fallback_touch_interval_s,
+            ),
+        )
+        by_key = {_key(s.tenant, s.session_id): s for s in sessions}
+        for key in plan.touch:
+            self._spawn_touch(es, by_key[key])
+
+    def _drives(self, es: EngineState, session: Session) -> bool:
+        if session.engine is not None:
+            return session.engine == es.engine.name
+        return es is next(iter(self.engines.values()))  # not yet routed: the first engine
+
+    async def _expire(self, now: float) -> None:
+        for tenant, sid in await self.store.due(now):
+            if await self.store.expire(tenant, sid, now):
+                self.metrics.expiries.inc()
+
+    async def _scrape(self, es: EngineState, now: float) -> None:
+        if now - es.last_scrape < 2.0:
+            return
+        es.last_scrape = now
+        try:
+            m = await es.adapter.metrics()
+        except AdapterError:
+            return
+        pool = (
+            m.cache_config.num_blocks if m.cache_config else None
+        ) or es.adapter.cache.num_blocks
+        if pool:
+            es.load = EngineLoad(
+                pool_blocks=pool,
+                kv_cache_usage=m.kv_cache_usage,
+                waiting=m.waiting,
+                running=m.running,
+            )
+
+    def _horizon(self, es: EngineState, now: float) -> float:
+        """The smaller of the fill-time and eviction-age estimates (inf = unknown)."""
+        assert es.tap is not None
+        candidates: list[tuple[float, str]] = []
+        est = es.estimator.estimate(now)
+        if est.known:
+            candidates.append((est.seconds, est.source.value))
+        if es.load is not None and es.subscriber is not None:
+            free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+            fill = fill_time_horizon(free, es.tap.stores.rate(now))
+            if math.isfinite(fill):
+                candidates.append((fill, "fill_rate"))
+        es.last_horizon_s, es.horizon_source = min(candidates, default=(math.inf, "unknown"))
+        return es.last_horizon_s
+
+    def _budget(
+        self,
+        es: EngineState,
+        sessions: list[Session],
+        blocks: dict[tuple[str, str], tuple[int, ...]],
+        now: float,
+    ) -> set[tuple[str, str]]:
+        """Sessions whose protection fits the soft-TTL budget; the rest lapse (pressure_override)."""
+        everyone = {(s.tenant, s.session_id) for s in sessions}
+        if es.load is None:
+            return everyone
+        decision = plan_budget(
+            [
+                BudgetSession(
+                    _key(s.tenant, s.session_id),
+                    blocks[(s.tenant, s.session_id)],
+                    _value(s, blocks, now),
+                )
+                for s in sessions
+            ],
+            es.load,
+            BudgetConfig(share=self.settings.budget_share),
+        )
+        lapsed = {tuple(k.split("\x1f", 1)) for k in decision.pressure_override}
+        overridden = {(t, s) for t, s in lapsed}
+        for key in overridden - es.overridden:
+            self.metrics.pressure_overrides.inc()
+            log.info(
+                "pressure_override: %s/%s protection lapses on %s", key[0], key[1], es.engine.name
+            )
+        es.overridden = overridden
+        self.metrics.protected_sessions.labels(es.engine.name).set(len(everyone - overridden))
+        self.metrics.protected_blocks.labels(es.engine.name).set(decision.protected_blocks)
+        return everyone - overridden
+
+    # --- touches and warm-ups ---------------------------------------------------------------------
+    def _spawn_touch(self, es: EngineState, session: Session) -> None:
+        key = (session.tenant, session.session_id)
+        es.in_flight.add(key)
+        task = asyncio.create_task(self._touch(es, session))
+        self._touches.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._touches.discard(t)
+            es.in_flight.discard(key)
+
+        task.add_done_callback(done)
+
+    async def _touch(self, es: EngineState, session: Session) -> None:
+        try:
+            result = await self.replay(es, session.tenant, session.session_id, warmup=False)
+        except (AdapterError, StoreDown, ValueError) as exc:
+            self.metrics.touches.labels(es.engine.name, "failed").inc()
+            log.warning("touch of %s failed: %s", session.session_id, exc)
+            return
+        if result is None:
+            self.metrics.touches.labels(es.engine.name, "no_context").inc()
+
+    async def replay(
+        self,
+        es: EngineState,
+        tenant: str,
+        sid: str,
+        *,
+        warmup: bool,
+        limit_blocks: int | None = None,
+    ) -> TouchResult | None:
+        """Re-send the session's recorded prefix with one output token; record what it cost."""
+        blob = await self.store.get_context(tenant, sid)
+        if blob is None:
+            return None
+        ctx = decode_context(blob)
+        offset = ctx.block_offset if limit_blocks is None else limit_blocks
+        if offset is not None and ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
+            tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+            tokens = tokens[: max(1, offset) * es.adapter.cache.block_size]
+            result = await es.adapter.touch_tokens(tokens, cache_salt=ctx.body.get("cache_salt"))
+        elif ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
+            result = await es.adapter.touch(ctx.route, ctx.prefix_body())
+        else:
+            result = await self._touch_other(es, ctx)
+        now = time.time()
+        assert es.tap is not None
+        es.tap.note_used(await self.blocks_of(tenant, sid), now)
+        recomputed = result.recomputed_tokens
+        if warmup:
+            self.metrics.warmup_prompt_tokens.inc(result.prompt_tokens)
+            self.metrics.warmup_recomputed_tokens.inc(recomputed)
+        else:
+            self.metrics.touches.labels(es.engine.name, "ok").inc()
+            self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
+            self.metrics.touch_recomputed_tokens.inc(recomputed)
+        await self.store.touched(tenant, sid, now, recomputed, warmup=warmup)
+        return result
+
+    async def _touch_other(self, es: EngineState, ctx: RecordedContext) -> TouchResult:
+        """Anthropic /v1/messages and /v1/responses: the same one-token request on their route."""
+        body = ctx.prefix_body()
+        for k in ("stream", "stream_options"):
+            body.pop(k, None)
+        body["max_output_tokens" if ctx.route == "/v1/responses" else "max_tokens"] = 1
+        started = time.monotonic()
+        try:
+            async with self.client.post(es.engine.url + ctx.route, json=body) as resp:
+                answer = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    raise Unsupported(f"{ctx.route} touch answered {resp.status}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unsupported(f"{ctx.route} touch failed: {exc}") from exc
+        usage = normalize(answer.get("usage") if isinstance(answer, dict) else None) or Usage()
+        return TouchResult(usage.prompt_tokens, usage.cached_tokens, time.monotonic() - started)
+
+    # --- views ------------------------------------------------------------------------------------
+    def engine_view(self, name: str) -> dict[str, Any]:
+        es = self.engines.get(name)
+        if es is None:
+            return {}
+        return {
+            "mode": es.mode,
+            "mode_note": (
+                "KV events: horizon from allocation rate and eviction ages"
+                if es.mode == "events"
+                else "no KV events: horizon from cached_tokens feedback, touches every "
+                f"{self.settings.fallback_touch_interval_s:g}s until learned"
+            ),
+            "leader": bool(es.leader_token),
+            "horizon_s": None if math.isinf(es.last_horizon_s) else round(es.last_horizon_s, 3),
+            "horizon_source": es.horizon_source,
+            "block_size": es.adapter.cache.block_size,
+            "pool_blocks": es.load.pool_blocks if es.load else None,
+            "resident_blocks": {m: es.index.size(m) for m in es.index.media()},
+            "offload_tier": es.tier is not None,
+            "touches_in_flight": len(es.in_flight),
+            "pressure_overrides_now": len(es.overridden),
+        }
+
+    async def residency(self, session: Session) -> dict[str, Any]:
+        blocks = await self.blocks_of(session.tenant, session.session_id)
+        out: dict[str, Any] = {"blocks": len(blocks), "engines": {}}
+        for name, es in self.engines.items():
+            view: dict[str, Any] = es.index.prefix_by_medium(blocks) if blocks else {}
+            out["engines"][name] = {"resident_prefix_blocks": view}
+        return out
+
+
+def _value(session: Session, blocks: dict[tuple[str, str], tuple[int, ...]], now: float) -> float:
+    """Budget value: recompute cost (blocks) per second of protection still to pay for."""
+    n = len(blocks[(session.tenant, session.session_id)])
+    return max(1, n) / max(1.0, session.ttl_left(now))

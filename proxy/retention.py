@@ -19,12 +19,14 @@ Every decision is a pure function in ``policy/``; this module gathers inputs and
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import math
 import struct
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,8 +88,10 @@ class HorizonTap:
     ) -> None:
         self.index = index
         self.estimator = estimator
-        self.stores = RateMeter(window_s=10.0)
+        self.stores = RateMeter(window_s=5.0, min_span_s=0.25)
         self._clock = clock
+        self._stored_total = 0  # GPU blocks stored since start: the allocation front's position
+        self._marks: deque[tuple[float, int]] = deque(maxlen=100_000)
         self._stored_at: dict[int, float] = {}
         self._used_at: dict[int, float] = {}
         self.evictions = 0
@@ -118,6 +122,8 @@ class HorizonTap:
                 self._stored_at.clear()
         if stored:
             self.stores.add(stored, at)
+            self._stored_total += stored
+            self._marks.append((at, self._stored_total))
         if ages:
             self.evictions += len(ages)
             self.estimator.observe_evictions(ages, at)
@@ -126,6 +132,12 @@ class HorizonTap:
     def clear(self) -> None:
         self._stored_at.clear()
         self.index.clear()
+
+    def allocated_since(self, at: float) -> int:
+        """New GPU blocks stored after ``at``: how far the allocation front moved since then."""
+        i = bisect.bisect_right(self._marks, (at, 1 << 62))
+        before = self._marks[i - 1][1] if i > 0 else 0
+        return self._stored_total - before
 
 
 @dataclass(eq=False)
@@ -348,8 +360,29 @@ class Retention:
             ),
         )
         by_key = {_key(s.tenant, s.session_id): s for s in sessions}
-        for key in plan.touch:
+        chosen = set(plan.touch) | self._urgent(es, sessions, kept, now)
+        for key in chosen:
             self._spawn_touch(es, by_key[key])
+
+    def _urgent(
+        self, es: EngineState, sessions: list[Session], kept: set[tuple[str, str]], now: float
+    ) -> set[str]:
+        """Sessions the allocation front has moved far past, whatever the time-based plan says.
+
+        Counted in blocks, not seconds: a burst allocates blocks faster than any rate estimate
+        can follow, and ``safety_fraction`` of the free queue is the share a prefix may fall back.
+        """
+        if es.load is None or es.tap is None or es.subscriber is None:
+            return set()
+        free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+        limit = self.settings.safety_fraction * free
+        return {
+            _key(s.tenant, s.session_id)
+            for s in sessions
+            if (s.tenant, s.session_id) in kept
+            and (s.tenant, s.session_id) not in es.in_flight
+            and es.tap.allocated_since(s.last_active) >= limit
+        }
 
     def _drives(self, es: EngineState, session: Session) -> bool:
         if session.engine is not None:

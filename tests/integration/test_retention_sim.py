@@ -1,0 +1,203 @@
+"""Retention on the simulator: protection survives floods, expiry, budget, leases, edits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.helpers.redis_server import RedisServer
+from tests.integration.retention_fixtures import (
+    BLOCK,
+    SimStack,
+    cached,
+    prompt,
+    sim_stack,
+    wait_for,
+)
+
+FULL = 2016  # 2,017-token prompts: 63 full blocks, all of them cacheable on a repeat
+
+
+async def _flood(st, n: int = 8, base: int = 100) -> int:  # type: ignore[no-untyped-def]
+    total = 0
+    for i in range(n):
+        total += (await st.complete(prompt(base + i)))["usage"]["prompt_tokens"]
+    return total
+
+
+async def _known_blocks(st, sid: str, i: int = 0) -> None:  # type: ignore[no-untyped-def]
+    retention = st.runtime(i).retention
+
+    async def known() -> bool:
+        return len(await retention.blocks_of("default", sid)) == 63
+
+    assert await wait_for(known), "retention never learned the session's blocks"
+
+
+async def test_protected_survives_a_flood_that_evicts_the_unprotected(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace) as st:
+        await st.complete(
+            prompt(1), {"session_id": "kept", "cache_control": {"type": "ephemeral", "ttl": 300}}
+        )
+        await st.complete(prompt(2), {"session_id": "plain"})
+        await _known_blocks(st, "kept")
+        flood_tokens = await _flood(st)  # 8 x 63 blocks through a 200-block pool
+        kept = cached(await st.complete(prompt(1), {"session_id": "kept"}))
+        plain = cached(await st.complete(prompt(2), {"session_id": "plain"}))
+        assert kept >= 0.95 * FULL, kept
+        assert plain == 0
+        touches = await st.metric("kvkeeper_touches_total")
+        recomputed = await st.metric("kvkeeper_touch_recomputed_tokens_total")
+        assert touches >= 1
+        assert recomputed < 0.02 * flood_tokens, (recomputed, flood_tokens)
+        admin = {"Authorization": "Bearer admin-secret"}
+        s = await (await st.proxy.get("/admin/sessions/kept", headers=admin)).json()
+        assert s["counters"]["touches"] >= 1 and s["residency"]["blocks"] == 63
+        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        view = engines["data"][0]["retention"]
+        assert view["mode"] == "events" and view["leader"] is True and view["horizon_s"] is not None
+
+
+async def test_without_events_feedback_mode_is_reported(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace, events=False) as st:
+        await st.complete(prompt(1), {"session_id": "s", "cache_control": {"ttl": 60}})
+        admin = {"Authorization": "Bearer admin-secret"}
+        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        # the simulator serves /kv_event_sources, so even unconfigured, events are discovered
+        assert engines["data"][0]["retention"]["mode"] in ("events", "feedback")
+
+
+async def test_expiry_ends_protection(redis_server: RedisServer, namespace: str) -> None:
+    async with sim_stack(redis_server.url, namespace) as st:
+        await st.complete(prompt(1), {"session_id": "short", "cache_control": {"ttl": 0.5}})
+        admin = {"Authorization": "Bearer admin-secret"}
+
+        async def idle() -> bool:
+            s = await (await st.proxy.get("/admin/sessions/short", headers=admin)).json()
+            return bool(s["state"] == "idle")
+
+        assert await wait_for(idle, within=5)
+        assert await st.metric("kvkeeper_expiries_total") == 1
+        touches_before = await st.metric("kvkeeper_touches_total")
+        await _flood(st)
+        assert cached(await st.complete(prompt(1), {"session_id": "short"})) == 0
+        assert await st.metric("kvkeeper_touches_total") == touches_before
+
+
+async def test_budget_caps_protection(redis_server: RedisServer, namespace: str) -> None:
+    # 200 blocks x 0.5 = 100 protected blocks at most: two 63-block sessions cannot both be kept
+    async with sim_stack(redis_server.url, namespace, budget_share=0.5) as st:
+        for sid, seed in (("a", 1), ("b", 2)):
+            await st.complete(prompt(seed), {"session_id": sid, "cache_control": {"ttl": 300}})
+            await _known_blocks(st, sid)
+
+        async def overridden() -> bool:
+            return await st.metric("kvkeeper_pressure_overrides_total") >= 1
+
+        assert await wait_for(overridden, within=8)
+        await _flood(st)
+        hits = sorted([cached(await st.complete(prompt(1))), cached(await st.complete(prompt(2)))])
+        assert hits[1] >= 0.95 * FULL  # the one inside the budget survived
+        assert hits[0] == 0  # the lapsed one was evicted, and traffic got its blocks
+
+
+async def test_two_replicas_never_both_drive_and_hand_over(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace, replicas=2, lease_ttl_s=1.0) as st:
+
+        def token(i: int) -> int:
+            return next(iter(st.runtime(i).retention.engines.values())).leader_token
+
+        async def one_leader() -> bool:
+            return sum(1 for i in (0, 1) if token(i)) == 1
+
+        await st.complete(prompt(1), {"session_id": "kept", "cache_control": {"ttl": 300}})
+        assert await wait_for(one_leader)
+        await _known_blocks(st, "kept", 0)
+        await _flood(st, n=6)
+        touches = [await st.metric("kvkeeper_touches_total", i) for i in (0, 1)]
+        assert (touches[0] > 0) != (touches[1] > 0), touches  # exactly one replica touched
+        leader = 0 if touches[0] > 0 else 1
+        other = 1 - leader
+        fence = token(leader)
+        await st.proxies[leader].close()  # the holder goes away: the other takes over
+
+        async def took_over() -> bool:
+            return token(other) > fence  # a new, larger fencing token
+
+        start = asyncio.get_running_loop().time()
+        assert await wait_for(took_over, within=5)
+        assert asyncio.get_running_loop().time() - start < 3.0
+        survivor = SimStack(st.sim, [st.proxies[other]])
+        await _flood(survivor, n=6, base=300)
+        assert await survivor.metric("kvkeeper_touches_total") > 0
+        assert cached(await survivor.complete(prompt(1))) >= 0.95 * FULL
+
+
+async def test_offload_prefetch_evict_through_the_cpu_tier(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace, cpu_blocks=1000) as st:
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 300}})
+        await _known_blocks(st, "w")
+        result = await st.manage("w", "offload")
+        off = result["results"][0]
+        assert off["status"] == "applied", off
+        assert off["detail"]["stored_tokens"] == 1792  # 7 full 256-token chunks of 2,017 tokens
+        admin = {"Authorization": "Bearer admin-secret"}
+        s = await (await st.proxy.get("/admin/sessions/w", headers=admin)).json()
+        assert s["state"] == "offloaded" and s["ttl_left_s"] == 0
+        await _flood(st)  # the GPU copy is gone now (no protection after offload)
+        pre = (await st.manage("w", "prefetch"))["results"][0]
+        assert pre["status"] == "applied"
+        assert pre["detail"]["cached_tokens"] >= 1792  # loaded from the CPU tier, not recomputed
+        assert cached(await st.complete(prompt(1), {"session_id": "w"})) >= 0.95 * FULL
+        ev = (await st.manage("w", "evict"))["results"][0]
+        assert ev["status"] == "applied" and ev["detail"]["tier_chunks_deleted"] == 7
+        tier = next(iter(st.runtime().retention.engines.values())).tier
+        assert tier is not None and await tier.lookup(prompt(1)) == 0
+
+
+async def test_offload_without_a_tier_is_unsupported(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace) as st:
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 300}})
+        result = (await st.manage("w", "offload"))["results"][0]
+        assert result == {"type": "offload", "status": "unsupported", "reason": "no_offload_tier"}
+        admin = {"Authorization": "Bearer admin-secret"}
+        s = await (await st.proxy.get("/admin/sessions/w", headers=admin)).json()
+        assert s["state"] == "protected"  # nothing changed
+
+
+async def test_admin_operations(redis_server: RedisServer, namespace: str) -> None:
+    async with sim_stack(redis_server.url, namespace) as st:
+        await st.complete(prompt(1), {"session_id": "w"})
+        await _known_blocks(st, "w")
+        admin = {"Authorization": "Bearer admin-secret"}
+        r = await st.proxy.post("/admin/sessions/w/pin", headers=admin, json={"ttl": 120})
+        assert r.status == 200 and (await r.json())["status"] == "applied"
+        s = await (await st.proxy.get("/admin/sessions/w", headers=admin)).json()
+        assert s["state"] == "protected" and 100 < s["ttl_left_s"] <= 120
+        r = await st.proxy.post(
+            "/admin/sessions/w/prefetch", headers=admin, json={"block_start": 0, "block_end": 10}
+        )
+        body = await r.json()
+        assert body["status"] == "applied" and body["detail"]["prompt_tokens"] == 10 * BLOCK
+        r = await st.proxy.post(
+            "/admin/sessions/w/evict", headers=admin, json={"block_start": 0, "block_end": 64}
+        )
+        assert (await r.json())["reason"] == "range_out_of_bounds"
+        assert (
+            await st.proxy.post("/admin/sessions/w/evict", headers=admin, json={"block_start": 3})
+        ).status == 400
+        assert (await st.proxy.post("/admin/sessions/w/explode", headers=admin)).status == 404
+        assert (await st.proxy.post("/admin/sessions/nope/evict", headers=admin)).status == 404
+        r = await st.proxy.post("/admin/sessions/w/evict", headers=admin)
+        assert (await r.json())["status"] == "applied"
+        s = await (await st.proxy.get("/admin/sessions/w", headers=admin)).json()
+        assert s["state"] == "idle" and s["engine"] is None

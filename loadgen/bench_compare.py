@@ -1,0 +1,543 @@
+"""``kvkeeper bench compare``: one workload against several targets, each on a fresh engine.
+
+Targets (``--targets``, default: every one that applies):
+
+* ``engine``: straight to the engine: vanilla vLLM LRU (one replica only);
+* ``none`` / ``session`` / ``full``: through kvkeeper, the client sending that hint mode
+  (:mod:`loadgen.workloads.hints`);
+* ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
+  ``round_robin`` and its ``cache_aware`` policy, when installed.
+
+On the simulator every target gets new engine processes with the same configuration, so no
+target inherits another's cache; against engine URLs (``--engine-url``) the prefix cache is
+reset between targets instead. Beside the measurements it prints the workload's cache ceilings
+at the same capacity (:mod:`loadgen.ceiling`): an infinite cache, Belady's optimal eviction and
+offline LRU, computed twice: on the ceiling tool's own timeline and on the arrival order the
+first target really saw (the ``realized`` rows; their LRU cross-checks the simulator).
+
+``--pool-frac F`` sizes the pool as ``F`` x the workload's peak working set (its ``slots``
+layout with ``--max-sessions`` root sessions open, else ``open``), split evenly over replicas.
+
+Output in ``--out``: ``<target>.json`` (the run), ``compare.json`` (summaries, ceilings, gaps),
+``compare.md`` (the table), ``report.md`` + ``ttft_cdf.png`` + ``hit_rate.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from loadgen import ceiling
+from loadgen.bench_cli import _add_workload_args, workload_from_args
+from loadgen.metrics import parse_counters, summarize
+from loadgen.runner import RunOptions, RunResult, Target, run_workload
+from loadgen.sim.profiles import PROFILES
+from loadgen.sim.server import SimConfig, SimEndpoints
+from loadgen.targets import (
+    find_router,
+    reset_prefix_cache,
+    start_kvkeeper,
+    start_redis,
+    start_router,
+    start_sims,
+)
+from loadgen.workloads import parse_overrides
+from loadgen.workloads.base import Call, SessionScript, Spawn, Workload
+from loadgen.workloads.hints import HintMode, HintPolicy
+
+if TYPE_CHECKING:
+    from loadgen.bench_cli import Subparsers
+
+HINTED: dict[str, HintMode] = {"none": "none", "session": "session", "full": "full"}
+ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
+TARGETS = ("engine", "none", "session", "full", "round-robin", "vllm-router")
+EXTRA_COUNTERS = (
+    "kvkeeper_touches_total",
+    "kvkeeper_expiries_total",
+    "kvkeeper_pressure_overrides_total",
+    "kvkeeper_prefetches_total",
+    "kvkeeper_offloads_total",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompareSpec:
+    """Everything one comparison needs besides the workload."""
+
+    out: Path
+    targets: tuple[str, ...] = ()  # empty: every applicable target
+    replicas: int = 1
+    sim: SimConfig = field(default_factory=SimConfig)
+    pool_frac: float | None = None  # pool = frac x peak working set (else sim.num_blocks)
+    engine_urls: tuple[str, ...] = ()  # real engines instead of simulators
+    engine_events: tuple[str, ...] = ()
+    capacity_blocks: int | None = None  # ceiling capacity for real engines
+    options: RunOptions = field(default_factory=RunOptions)
+    hints: HintPolicy = field(default_factory=HintPolicy)
+    api: str | None = "completions-ids"  # exact token ids: the ceilings see the engine's blocks
+    retention: dict[str, Any] = field(default_factory=dict)
+    offload: bool = True  # give kvkeeper the simulator's LMCache-shaped tier when it has one
+    router: str | None = None
+    model: str = "sim"
+
+
+@dataclass(slots=True)
+class TargetRun:
+    name: str
+    result: RunResult | None
+    summary: dict[str, Any] | None
+    counters: dict[str, float]
+    wall_s: float
+    skipped: str | None = None
+
+
+# --- targets -------------------------------------------------------------------------------------
+def plan_targets(
+    requested: Sequence[str], replicas: int, router: str | None
+) -> list[tuple[str, str | None]]:
+    """``(target, reason skipped or None)`` in run order."""
+    names = list(requested) or [
+        t for t in TARGETS if (t == "engine") == (replicas == 1) or t in HINTED
+    ]
+    out: list[tuple[str, str | None]] = []
+    for name in names:
+        if name not in TARGETS:
+            raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+        reason = None
+        if name == "engine" and replicas > 1:
+            reason = "several replicas: a plain client cannot spread over them"
+        elif name in ROUTER_POLICIES and router is None:
+            reason = "vllm-router is not installed"
+        out.append((name, reason))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _engines(spec: CompareSpec) -> AsyncIterator[list[SimEndpoints]]:
+    """Fresh simulators for one target, or the configured real engines (cache reset)."""
+    if spec.engine_urls:
+        failed = await reset_prefix_cache(spec.engine_urls)
+        if failed:
+            print(f"warning: prefix cache not reset on {', '.join(failed)}", flush=True)
+        events = list(spec.engine_events) + [""] * len(spec.engine_urls)
+        yield [
+            SimEndpoints(u, e or "", None, None)
+            for u, e in zip(spec.engine_urls, events, strict=False)
+        ]
+        return
+    async with start_sims(spec.sim, spec.replicas) as sims:
+        yield sims
+
+
+@contextlib.asynccontextmanager
+async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> AsyncIterator[str]:
+    """The URL the client talks to for target ``name``, with whatever runs in front."""
+    logs = spec.out / "logs"
+    if name == "engine":
+        yield sims[0].url
+    elif name in ROUTER_POLICIES:
+        assert spec.router is not None
+        async with start_router(
+            spec.router, [s.url for s in sims], ROUTER_POLICIES[name], logs
+        ) as url:
+            yield url
+    else:
+        retention = {"block_size": spec.sim.block_size, **spec.retention}
+        usable = [s for s in sims if s.events_endpoint] if spec.engine_urls else sims
+        async with (
+            start_redis(logs) as redis_url,
+            start_kvkeeper(
+                usable or sims,
+                redis_url,
+                logs,
+                model=spec.model,
+                retention=retention,
+                offload=spec.offload,
+            ) as url,
+        ):
+            yield url
+
+
+async def _scrape(url: str) -> dict[str, float]:
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+            http.get(url + "/metrics") as resp,
+        ):
+            return parse_counters(await resp.text(), EXTRA_COUNTERS) if resp.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+
+
+async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str) -> TargetRun:
+    """Bring up a fresh stack for ``name``, play the workload, tear it down."""
+    t0 = time.monotonic()
+    mode = HINTED.get(name, "none")
+    async with _engines(spec) as sims, _front(name, sims, spec) as url:
+        target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
+        options = replace(spec.options, run_tag=tag)
+        result = await run_workload(workload, target, options, label=name)
+        counters = await _scrape(url) if name in HINTED else {}
+    result.save(spec.out / f"{name}.json")
+    return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0)
+
+
+# --- ceilings ------------------------------------------------------------------------------------
+def arrival_of(workload: Workload, options: RunOptions) -> tuple[ceiling.Arrival, int]:
+    """The ceiling's arrival model matching how the runner starts root sessions."""
+    if options.max_sessions > 0:
+        return "slots", options.max_sessions
+    return "open", 0
+
+
+def planned_ceilings(
+    workload: Workload, options: RunOptions, frac: float | None, capacity: int | None
+) -> dict[str, Any]:
+    """Peak working set and inf/Belady/LRU at the pool's capacity on the tool's own timeline."""
+    arrival, n = arrival_of(workload, options)
+    replay = ceiling.layout(workload, arrival, n)
+    peak = ceiling.peak_working_set(replay)
+    cap = capacity if capacity is not None else max(1, round((frac or 1.0) * peak))
+    return {"arrival": arrival, "n": n, "peak_ws": peak, **replay_rates(replay, cap)}
+
+
+def replay_rates(replay: ceiling.Replay, capacity: int) -> dict[str, Any]:
+    total = max(1, replay.total_tokens)
+    bt = replay.block_tokens
+    rates: dict[str, Any] = {"C": capacity, "inf": bt * ceiling.infinite_hits(replay) / total}
+    for policy in ceiling.POLICIES:
+        res = ceiling.simulate(replay, capacity, policy)
+        rates[policy] = bt * res.hit_blocks / total
+        rates["no_room"] = bt * res.no_room_blocks / total
+    return rates
+
+
+def _scripts(sessions: Sequence[SessionScript]) -> Iterator[SessionScript]:
+    for s in sessions:
+        yield s
+        for step in s.steps:
+            if isinstance(step, Spawn):
+                yield from _scripts(step.children)
+
+
+def realized_replay(workload: Workload, result: RunResult) -> ceiling.Replay:
+    """The calls as the run really timed them (start, end), as a ceiling replay."""
+    by_id = {s.session_id: s for s in _scripts(workload.sessions)}
+    chains = ceiling.BlockChains(workload.block_tokens)
+    reqs = []
+    for rec in result.requests:
+        script = by_id[rec.session_id.split("-", 1)[1]]
+        call = script.steps[rec.turn]
+        assert isinstance(call, Call)
+        reqs.append(
+            ceiling.Req(rec.t_start, rec.t_end, chains.keys(call.pieces()), call.prompt_tokens)
+        )
+    return ceiling.Replay(reqs, workload.block_tokens)
+
+
+# --- the comparison ------------------------------------------------------------------------------
+def sized_spec(workload: Workload, spec: CompareSpec) -> tuple[CompareSpec, dict[str, Any]]:
+    """The spec with the simulator's pool (and block size) set from the ceilings."""
+    capacity = spec.capacity_blocks
+    if not spec.engine_urls and spec.pool_frac is None:
+        capacity = (spec.sim.num_blocks - 1) * spec.replicas  # block 0 is vLLM's null block
+    planned = planned_ceilings(workload, spec.options, spec.pool_frac, capacity)
+    if spec.engine_urls:
+        return spec, planned
+    per_replica = max(1, math.ceil(planned["C"] / spec.replicas))
+    sim = replace(spec.sim, num_blocks=per_replica + 1, block_size=workload.block_tokens)
+    return replace(spec, sim=sim), planned
+
+
+async def run_compare(workload: Workload, spec: CompareSpec) -> dict[str, Any]:
+    """Run every target in turn; write and return the comparison document."""
+    spec.out.mkdir(parents=True, exist_ok=True)
+    spec, planned = sized_spec(workload, spec)
+    plan = plan_targets(spec.targets, spec.replicas, spec.router)
+    runs: list[TargetRun] = []
+    for i, (name, skipped) in enumerate(plan):
+        if skipped:
+            print(f"[{i + 1}/{len(plan)}] {name}: skipped ({skipped})", flush=True)
+            runs.append(TargetRun(name, None, None, {}, 0.0, skipped))
+            continue
+        print(f"[{i + 1}/{len(plan)}] {name}", flush=True)
+        runs.append(await run_target(name, workload, spec, tag=f"t{i}"))
+    doc = compare_document(workload, spec, planned, runs)
+    (spec.out / "compare.json").write_text(json.dumps(doc, indent=1))
+    (spec.out / "compare.md").write_text(render_markdown(doc))
+    _render_report(runs, spec.out)
+    return doc
+
+
+def compare_document(
+    workload: Workload, spec: CompareSpec, planned: dict[str, Any], runs: list[TargetRun]
+) -> dict[str, Any]:
+    done = [r for r in runs if r.result is not None]
+    realized = None
+    if done:
+        first = done[0]
+        assert first.result is not None
+        replay = realized_replay(workload, first.result)
+        realized = {"from": first.name, **replay_rates(replay, planned["C"])}
+    doc: dict[str, Any] = {
+        "workload": workload.name,
+        "params": dict(workload.params),
+        "setup": _setup(spec),
+        "ceilings": {"planned": planned, "realized": realized},
+        "targets": {},
+    }
+    base = _baseline(runs)
+    lru_ref = base["hit_rate"] if base else planned["lru"]
+    belady = (realized or planned)["belady"]
+    for r in runs:
+        doc["targets"][r.name] = _target_entry(r, base, lru_ref, belady)
+    return doc
+
+
+def _setup(spec: CompareSpec) -> dict[str, Any]:
+    return {
+        "replicas": spec.replicas,
+        "sim": None if spec.engine_urls else asdict(spec.sim),
+        "engine_urls": list(spec.engine_urls),
+        "pool_frac": spec.pool_frac,
+        "options": asdict(spec.options),
+        "hints": asdict(spec.hints),
+        "api": spec.api,
+        "retention": spec.retention,
+        "offload": spec.offload,
+    }
+
+
+def _baseline(runs: list[TargetRun]) -> dict[str, Any] | None:
+    """The vanilla reference: straight to the engine, else round robin, else kvkeeper none."""
+    for name in ("engine", "round-robin", "none"):
+        for r in runs:
+            if r.name == name and r.summary is not None:
+                return r.summary
+    return None
+
+
+def _target_entry(
+    r: TargetRun, base: dict[str, Any] | None, lru_ref: float, belady: float
+) -> dict[str, Any]:
+    if r.summary is None:
+        return {"skipped": r.skipped}
+    s = r.summary
+    entry = {k: v for k, v in s.items() if k != "by_agent"}
+    entry["wall_s"] = r.wall_s
+    entry["counters"] = r.counters
+    gap = belady - lru_ref
+    hit = s["hit_rate"] or 0.0
+    entry["gap_closed"] = (hit - lru_ref) / gap if gap > 1e-9 else None
+    sent = s.get("retention_prompt_tokens")
+    spent = s.get("retention_recomputed_tokens")
+    prompt = s["prompt_tokens"] or 1
+    entry["retention_prompt_share"] = None if sent is None else sent / (prompt + sent)
+    entry["retention_recomputed_share"] = (
+        None if spent is None or sent is None else spent / (prompt + sent)
+    )
+    if base is not None and base["ttft"]["mean"] and s["ttft"]["mean"] is not None:
+        entry["ttft_mean_vs_base"] = s["ttft"]["mean"] / base["ttft"]["mean"] - 1
+        entry["ttft_p90_vs_base"] = s["ttft"]["p90"] / base["ttft"]["p90"] - 1
+        entry["hit_rate_vs_base_pp"] = 100 * (hit - (base["hit_rate"] or 0.0))
+    return entry
+
+
+# --- rendering -----------------------------------------------------------------------------------
+def _pct(v: float | None, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:+.1f}%" if signed else f"{100 * v:.1f}%"
+
+
+def _sec(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.3f}" if v < 10 else f"{v:.1f}")
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    c = doc["ceilings"]
+    planned, realized = c["planned"], c["realized"]
+    lines = [
+        f"### {doc['workload']}: {len(doc['targets'])} targets, pool {planned['C']} blocks "
+        f"(peak working set {planned['peak_ws']})",
+        "",
+        "| target | hit rate | gap closed | TTFT mean s | TTFT p90 s | TTFT mean vs base | "
+        "recomputed prompt tok | retention prompt tok (share) | retention recomputed (share) "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, t in doc["targets"].items():
+        if "skipped" in t:
+            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * 8)
+            continue
+        ret = (
+            "-"
+            if t["retention_prompt_tokens"] is None
+            else (f"{t['retention_prompt_tokens']:,.0f} ({_pct(t['retention_prompt_share'])})")
+        )
+        rec = (
+            "-"
+            if t["retention_recomputed_tokens"] is None
+            else (
+                f"{t['retention_recomputed_tokens']:,.0f} ({_pct(t['retention_recomputed_share'])})"
+            )
+        )
+        lines.append(
+            f"| {name} | {_pct(t['hit_rate'])} | {_pct(t['gap_closed'])} | "
+            f"{_sec(t['ttft']['mean'])} | {_sec(t['ttft']['p90'])} | "
+            f"{_pct(t.get('ttft_mean_vs_base'), signed=True)} | "
+            f"{t['recomputed_prompt_tokens']:,} | {ret} | {rec} | {t['errors']} |"
+        )
+    lines += [
+        "",
+        "| ceiling (same capacity) | LRU | Belady | infinite | no room |",
+        "|---|---|---|---|---|",
+    ]
+    for label, row in (
+        ("planned timeline", planned),
+        (f"realized ({realized['from']})" if realized else "", realized),
+    ):
+        if row:
+            lines.append(
+                f"| {label} | {_pct(row['lru'])} | {_pct(row['belady'])} | {_pct(row['inf'])} | {_pct(row['no_room'])} |"
+            )
+    lines += [
+        "",
+        "Gap closed: (hit - baseline hit) / (realized Belady - baseline hit); baseline = "
+        "`engine` (vanilla LRU), else `round-robin`. Retention shares are of all prompt "
+        "tokens sent (workload + touches + warm-ups).",
+        "",
+    ]
+    counters = {n: t.get("counters") for n, t in doc["targets"].items() if t.get("counters")}
+    for name, cnt in counters.items():
+        text = ", ".join(
+            f"{k.removeprefix('kvkeeper_').removesuffix('_total')} {v:,.0f}" for k, v in cnt.items()
+        )
+        lines.append(f"- {name}: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _render_report(runs: list[TargetRun], out: Path) -> None:
+    from loadgen.report import render_report
+
+    results = [r.result for r in runs if r.result is not None]
+    if results:
+        render_report(results, out)
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "compare", help="one workload against engine / kvkeeper hint modes / routers"
+    )
+    _add_workload_args(p, None)
+    p.add_argument(
+        "--targets",
+        default="",
+        help=f"comma list from {','.join(TARGETS)} (default: all that apply)",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas (simulator)")
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="real engine instead of the simulator (repeatable)",
+    )
+    p.add_argument(
+        "--engine-events",
+        action="append",
+        default=[],
+        help="KV-event endpoint of the i-th --engine-url",
+    )
+    p.add_argument("--capacity-blocks", type=int, help="ceiling capacity for --engine-url")
+    p.add_argument(
+        "--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulator timing"
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="simulator time speed-up")
+    p.add_argument(
+        "--num-blocks", type=int, default=2048, help="simulator pool (without --pool-frac)"
+    )
+    p.add_argument("--pool-frac", type=float, help="pool as a share of the peak working set")
+    p.add_argument("--cpu-blocks", type=int, default=0, help="simulator CPU tier (0: none)")
+    p.add_argument("--no-offload", action="store_true", help="do not give kvkeeper the CPU tier")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=262_144)
+    p.add_argument("--model", default="sim")
+    p.add_argument(
+        "--api",
+        default="completions-ids",
+        choices=("chat", "completions", "completions-ids", "workload"),
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="model requests in flight")
+    p.add_argument("--max-sessions", type=int, default=0, help="open root sessions (0: all)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiplies all pauses")
+    p.add_argument("--ttl-factor", type=float, default=2.0)
+    p.add_argument("--ttl-cap", type=float, default=600.0)
+    p.add_argument("--prefetch-lead", type=float, default=1.0)
+    p.add_argument(
+        "--retention",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="kvkeeper retention setting (repeatable)",
+    )
+    p.add_argument("--router", help="vllm-router executable (default: found on PATH)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_compare)
+
+
+def spec_from_args(args: argparse.Namespace) -> CompareSpec:
+    sim = SimConfig(
+        model=args.model,
+        profile=args.profile,
+        speed=args.speed,
+        num_blocks=args.num_blocks,
+        cpu_blocks=args.cpu_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    return CompareSpec(
+        out=Path(args.out),
+        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()),
+        replicas=args.replicas if not args.engine_url else len(args.engine_url),
+        sim=sim,
+        pool_frac=args.pool_frac,
+        engine_urls=tuple(args.engine_url),
+        engine_events=tuple(args.engine_events),
+        capacity_blocks=args.capacity_blocks,
+        options=RunOptions(
+            concurrency=args.concurrency,
+            max_sessions=args.max_sessions,
+            time_scale=args.time_scale,
+            progress=not args.no_progress,
+        ),
+        hints=HintPolicy(
+            ttl_factor=args.ttl_factor, ttl_cap=args.ttl_cap, prefetch_lead=args.prefetch_lead
+        ),
+        api=None if args.api == "workload" else args.api,
+        retention=parse_overrides(args.retention),
+        offload=not args.no_offload,
+        router=find_router(args.router),
+        model=args.model,
+    )
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    workload = workload_from_args(args)
+    spec = spec_from_args(args)
+    doc = asyncio.run(run_compare(workload, spec))
+    print(render_markdown(doc))
+    print(f"results: {spec.out}")
+    errors = sum(t.get("errors", 0) for t in doc["targets"].values())
+    return 0 if errors == 0 else 1

@@ -55,7 +55,7 @@ class SessionOps:
         session = await self.store.get(tenant, sid)
         if session is None:
             return EditResult(edit, "rejected", "unknown_session")
-        blocks = await self.retention.blocks_of(tenant, sid)
+        blocks = await self.retention.blocks_of(tenant, sid, session)
         if edit.block_end is not None and edit.block_end > len(blocks):
             return EditResult(
                 edit, "rejected", "range_out_of_bounds", {"session_blocks": len(blocks)}
@@ -88,12 +88,12 @@ class SessionOps:
             parent = await self.store.get(session.tenant, session.parent)
             if parent is not None:
                 relatives.extend(c for c in parent.children if c != session.session_id)
-        mine = await self.retention.blocks_of(session.tenant, session.session_id)
+        mine = await self.retention.blocks_of(session.tenant, session.session_id, session)
         shared = 0
         for other in await self.store.get_many(session.tenant, relatives):
             if other is None or other.state not in ("active", "protected"):
                 continue
-            theirs = await self.retention.blocks_of(other.tenant, other.session_id)
+            theirs = await self.retention.blocks_of(other.tenant, other.session_id, other)
             n = 0
             for a, b in zip(mine, theirs, strict=False):
                 if a != b:

@@ -66,6 +66,7 @@ from proxy.usage import normalize
 
 log = logging.getLogger("kvkeeper.retention")
 _PACK = struct.Struct(">Q")
+_VERSION = struct.Struct(">d")  # blocks are stored with the session's last_used stamp
 
 
 def pack_blocks(blocks: Iterable[int]) -> bytes:
@@ -190,7 +191,7 @@ class Retention:
         self.metrics = metrics
         self.client = client
         self.holder = uuid.uuid4().hex[:12]
-        self._blocks: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._blocks: dict[tuple[str, str], tuple[float, tuple[int, ...]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._touches: set[asyncio.Task[None]] = set()
         self._tokenize = asyncio.Semaphore(8)
@@ -247,33 +248,15 @@ class Retention:
         return es is not None and es.mode == "feedback"
 
     async def on_completion(
-        self,
-        tenant: str,
-        sid: str,
-        ctx: RecordedContext,
-        engine: str,
-        usage: Usage | None,
-        previous: Session | None,
+        self, tenant: str, sid: str, engine: str, usage: Usage | None, previous: Session | None
     ) -> None:
-        """After a hinted request: learn its blocks, note their use, feed the horizon."""
+        """After a hinted request: feed the horizon (feedback mode). Blocks are learned lazily."""
         es = self.engines.get(engine)
-        if es is None:
+        if es is None or es.mode != "feedback" or usage is None or previous is None:
             return
-        now = time.time()
-        blocks = await self._block_ids(es, ctx)
-        if blocks is not None:
-            self._blocks[(tenant, sid)] = blocks
-            assert es.tap is not None
-            es.tap.note_used(blocks, now)
-            with contextlib.suppress(StoreDown):
-                await self.store.set_blocks(tenant, sid, pack_blocks(blocks))
-        if (
-            es.mode == "feedback"
-            and usage is not None
-            and previous is not None
-            and previous.last_active
-        ):
+        if previous.last_active:
             # the new prompt extends the previous one: a resident prefix would hit all its blocks
+            now = time.time()
             bs = es.adapter.cache.block_size
             expected = min(previous.last_prompt_tokens, usage.prompt_tokens - 1) // bs * bs
             if expected > 0:
@@ -290,17 +273,47 @@ class Retention:
         except (AdapterError, KeyError, ValueError, TypeError):
             return None
         offset = ctx.block_offset
-        hasher = es.adapter.hasher
-        ids = hasher.block_ids(tokens, cache_salt=ctx.body.get("cache_salt"))
+        ids = es.adapter.hasher.block_ids(tokens, cache_salt=ctx.body.get("cache_salt"))
         return tuple(ids[:offset] if offset is not None else ids)
 
-    async def blocks_of(self, tenant: str, sid: str) -> tuple[int, ...]:
+    async def blocks_of(
+        self, tenant: str, sid: str, session: Session | None = None
+    ) -> tuple[int, ...]:
+        """The block ids of the session's recorded context, recomputed only when it changed.
+
+        Learned lazily (here, not on the request path): tokenizing costs an engine round trip,
+        and only protected sessions and edits need the ids. The version is the session's
+        ``last_used`` stamp, so every proxy replica sees when another one recorded a new context.
+        """
+        if session is None:
+            session = await self.store.get(tenant, sid)
+            if session is None:
+                return ()
+        version = session.last_used
         cached = self._blocks.get((tenant, sid))
-        if cached is not None:
-            return cached
+        if cached is not None and cached[0] == version:
+            return cached[1]
         raw = await self.store.get_blocks(tenant, sid)
-        blocks = unpack_blocks(raw) if raw else ()
-        self._blocks[(tenant, sid)] = blocks
+        if raw is not None and len(raw) >= 8 and _VERSION.unpack(raw[:8])[0] == version:
+            blocks = unpack_blocks(raw[8:])
+        else:
+            blocks = await self._learn_blocks(session) or ()
+        self._blocks[(tenant, sid)] = (version, blocks)
+        return blocks
+
+    async def _learn_blocks(self, session: Session) -> tuple[int, ...] | None:
+        es = self.engines.get(session.engine or "")
+        blob = await self.store.get_context(session.tenant, session.session_id)
+        if es is None or blob is None:
+            return None
+        blocks = await self._block_ids(es, decode_context(blob))
+        if blocks is None:
+            return None
+        assert es.tap is not None
+        es.tap.note_used(blocks, session.last_used or time.time())
+        payload = _VERSION.pack(session.last_used) + pack_blocks(blocks)
+        with contextlib.suppress(StoreDown):
+            await self.store.set_blocks(session.tenant, session.session_id, payload)
         return blocks
 
     def forget(self, tenant: str, sid: str) -> None:
@@ -334,7 +347,8 @@ class Retention:
         if not sessions:
             return
         blocks = {
-            (s.tenant, s.session_id): await self.blocks_of(s.tenant, s.session_id) for s in sessions
+            (s.tenant, s.session_id): await self.blocks_of(s.tenant, s.session_id, s)
+            for s in sessions
         }
         kept = self._budget(es, sessions, blocks, now)
         horizon = self._horizon(es, now)
@@ -565,7 +579,7 @@ class Retention:
         }
 
     async def residency(self, session: Session) -> dict[str, Any]:
-        blocks = await self.blocks_of(session.tenant, session.session_id)
+        blocks = await self.blocks_of(session.tenant, session.session_id, session)
         out: dict[str, Any] = {"blocks": len(blocks), "engines": {}}
         for name, es in self.engines.items():
             view: dict[str, Any] = es.index.prefix_by_medium(blocks) if blocks else {}

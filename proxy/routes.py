@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 
 from aiohttp import ClientResponse, web
 
-from proxy.context import RecordedContext, encode_context
+from proxy.context import encode_context
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
@@ -152,8 +151,7 @@ async def _after(
             now=time.time(),
         )
         if rt.retention is not None:
-            ctx = RecordedContext(route, json.loads(body), hint.breakpoint, hint.block_offset)
-            await rt.retention.on_completion(tenant, sid, ctx, engine.name, usage, previous)
+            await rt.retention.on_completion(tenant, sid, engine.name, usage, previous)
     except StoreDown:
         return
     if hint.edits:

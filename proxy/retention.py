@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from adapters.base import AdapterError, TouchResult, Unsupported
+from adapters.base import AdapterError, EngineRejected, TouchResult, Unsupported
 from adapters.kv_events import (
     GPU,
     AllBlocksCleared,
@@ -161,6 +161,7 @@ class EngineState:
     last_scrape: float = 0.0
     last_horizon_s: float = math.inf
     horizon_source: str = "unknown"
+    no_tokenize: bool = False
 
     def __post_init__(self) -> None:
         self.tap = HorizonTap(self.index, self.estimator)
@@ -267,9 +268,16 @@ class Retention:
     async def _block_ids(self, es: EngineState, ctx: RecordedContext) -> tuple[int, ...] | None:
         if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
             return None
+        if es.no_tokenize:
+            return None
         try:
             async with self._tokenize:
                 tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+        except EngineRejected as exc:
+            if exc.status in (404, 405):  # no /tokenize on this engine: stop asking
+                es.no_tokenize = True
+                log.warning("%s serves no /tokenize: block ids unknown", es.engine.name)
+            return None
         except (AdapterError, KeyError, ValueError, TypeError):
             return None
         offset = ctx.block_offset

@@ -60,7 +60,7 @@ from policy.horizon import RateMeter, fill_time_horizon
 from proxy.context import RecordedContext, decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
-from proxy.store import Session, SessionStore, StoreDown, Usage
+from proxy.store import Session, SessionStore, StoreDown, Upserted, Usage
 from proxy.upstream import Engine
 from proxy.usage import normalize
 
@@ -243,27 +243,23 @@ class Retention:
         )
 
     # --- request path hooks -------------------------------------------------------------------
-    def wants_previous(self, engine: str) -> bool:
-        """Feedback mode learns from the session as it was before this request completed."""
-        es = self.engines.get(engine)
-        return es is not None and es.mode == "feedback"
+    def on_completion(self, engine: str, usage: Usage | None, before: Upserted) -> None:
+        """After a hinted request: feed the horizon in feedback mode (blocks are learned lazily).
 
-    async def on_completion(
-        self, tenant: str, sid: str, engine: str, usage: Usage | None, previous: Session | None
-    ) -> None:
-        """After a hinted request: feed the horizon (feedback mode). Blocks are learned lazily."""
+        A resumed session whose prompt extends its previous one would hit all of that prompt's
+        full blocks if they were still resident; fewer cached tokens after a gap bound the LRU
+        horizon below that gap.
+        """
         es = self.engines.get(engine)
-        if es is None or es.mode != "feedback" or usage is None or previous is None:
+        if es is None or es.mode != "feedback" or usage is None or not before.last_active:
             return
-        if previous.last_active:
-            # the new prompt extends the previous one: a resident prefix would hit all its blocks
-            now = time.time()
-            bs = es.adapter.cache.block_size
-            expected = min(previous.last_prompt_tokens, usage.prompt_tokens - 1) // bs * bs
-            if expected > 0:
-                es.estimator.observe_resume(
-                    now - previous.last_active, usage.cached_tokens, expected, now
-                )
+        now = time.time()
+        bs = es.adapter.cache.block_size
+        expected = min(before.last_prompt_tokens, usage.prompt_tokens - 1) // bs * bs
+        if expected > 0:
+            es.estimator.observe_resume(
+                now - before.last_active, usage.cached_tokens, expected, now
+            )
 
     async def _block_ids(self, es: EngineState, ctx: RecordedContext) -> tuple[int, ...] | None:
         if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):

@@ -13,7 +13,7 @@ from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
 from proxy.runtime import RUNTIME, Runtime
-from proxy.store import StoreDown, Usage
+from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
 from proxy.usage import UsageSniffer
 
@@ -82,7 +82,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
     if hint is not None and reg is not None and reg.upserted is not None and upstream.status < 400:
-        rt.spawn(_after(rt, tenant, hint, route, parsed.body, engine, usage))
+        rt.spawn(_after(rt, tenant, hint, reg.upserted, route, parsed.body, engine, usage))
     return resp
 
 
@@ -129,6 +129,7 @@ async def _after(
     rt: Runtime,
     tenant: str,
     hint: Hint,
+    before: Upserted,
     route: str,
     body: bytes,
     engine: Engine,
@@ -138,9 +139,6 @@ async def _after(
     assert rt.store is not None
     sid = hint.session_id
     try:
-        previous = None
-        if rt.retention is not None and rt.retention.wants_previous(engine.name):
-            previous = await rt.store.get(tenant, sid)
         context = encode_context(route, body, hint.breakpoint, hint.block_offset)
         await rt.store.record_completion(
             tenant,
@@ -151,7 +149,7 @@ async def _after(
             now=time.time(),
         )
         if rt.retention is not None:
-            await rt.retention.on_completion(tenant, sid, engine.name, usage, previous)
+            rt.retention.on_completion(engine.name, usage, before)
     except StoreDown:
         return
     if hint.edits:

@@ -50,6 +50,8 @@ class Upserted:
     created: bool
     engine: str | None
     parent_engine: str | None
+    last_active: float = 0.0  # before this request: when the prefix was last used or touched
+    last_prompt_tokens: int = 0  # before this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,12 +243,17 @@ class SessionStore:
             f"{tenant}{SEP}{sid}",
             repr(now - self.limits.idle_expiry_s),
         ]
-        status, created, engine, parent_engine = await self._call(
-            lambda: self.scripts.call("upsert", keys, args)
+        reply = await self._call(lambda: self.scripts.call("upsert", keys, args))
+        if reply[0] != b"ok":
+            raise StoreRejected(_text(reply[0]))
+        _, created, engine, parent_engine, last_active, last_prompt = reply
+        return Upserted(
+            bool(created),
+            _text(engine) or None,
+            _text(parent_engine) or None,
+            float(_text(last_active)),
+            int(_text(last_prompt)),
         )
-        if status != b"ok":
-            raise StoreRejected(status.decode())
-        return Upserted(bool(created), engine.decode() or None, parent_engine.decode() or None)
 
     async def record_completion(
         self,

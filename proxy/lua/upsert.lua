@@ -6,10 +6,14 @@
 -- ARGV[1] now  ARGV[2] sid  ARGV[3] tenant  ARGV[4] parent sid or ""  ARGV[5] agent or ""
 -- ARGV[6] ttl seconds or "" (no change)  ARGV[7] retention  ARGV[8] max sessions per tenant
 -- ARGV[9] max children  ARGV[10] safety expiry seconds  ARGV[11] deadline member  ARGV[12] stale cutoff
--- Returns {status, created, engine, parent_engine}; status "ok" or a rejection reason.
+-- Returns {status, created, engine, parent_engine, last_active, last_prompt_tokens} as they were
+-- before this request; status "ok" or a rejection reason.
 local now = tonumber(ARGV[1])
 local parent = ARGV[4]
 local exists = redis.call('EXISTS', KEYS[1]) == 1
+local before = exists and redis.call('HMGET', KEYS[1], 'last_used', 'last_touch', 'last_prompt_tokens')
+  or {false, false, false}
+local last_active = math.max(tonumber(before[1] or '0'), tonumber(before[2] or '0'))
 local parent_exists = parent ~= '' and redis.call('EXISTS', KEYS[4]) == 1
 local new_sessions = (exists and 0 or 1) + ((parent ~= '' and not parent_exists) and 1 or 0)
 if new_sessions > 0 then
@@ -67,4 +71,4 @@ redis.call('EXPIRE', KEYS[2], expiry)
 redis.call('EXPIRE', KEYS[7], expiry)
 redis.call('EXPIRE', KEYS[8], expiry)
 local engine = redis.call('HGET', KEYS[1], 'engine') or ''
-return {'ok', exists and 0 or 1, engine, parent_engine}
+return {'ok', exists and 0 or 1, engine, parent_engine, tostring(last_active), before[3] or '0'}

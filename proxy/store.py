@@ -123,6 +123,20 @@ _COUNTERS = (
     "warmup_tokens",
     "expiries",
 )
+# what the retention worker needs of a protected session each tick
+_BRIEF = (
+    "session_id",
+    "state",
+    "engine",
+    "ttl",
+    "ttl_until",
+    "created",
+    "last_seen",
+    "last_used",
+    "last_touch",
+    "parent",
+    "last_prompt_tokens",
+)
 _SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease")
 
 
@@ -420,9 +434,22 @@ class SessionStore:
         for member in raw:
             tenant, _, sid = _text(member).partition(SEP)
             by_tenant.setdefault(tenant, []).append(sid)
+        members = [(t, sid) for t, ids in by_tenant.items() for sid in ids]
+
+        async def op() -> list[Any]:
+            # the fields the retention worker reads, one HMGET each: it runs every tick
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for tenant, sid in members:
+                    pipe.hmget(self.key("s", tenant, sid), _BRIEF)
+                return list(await pipe.execute())
+
         out: list[Session] = []
-        for tenant, ids in by_tenant.items():
-            out.extend(s for s in await self.get_many(tenant, ids) if s is not None)
+        for (tenant, _), values in zip(members, await self._call(op), strict=True):
+            if values[0] is not None:
+                fields = {
+                    f.encode(): v for f, v in zip(_BRIEF, values, strict=True) if v is not None
+                }
+                out.append(_decode(tenant, fields, [], 0))
         return out
 
     async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:

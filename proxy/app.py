@@ -21,7 +21,7 @@ from proxy.errors import error_middleware
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.retention import EngineState, Retention
-from proxy.routes import add_routes
+from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Settings
 from proxy.store import SessionStore
@@ -78,7 +78,8 @@ def build_retention(
 def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
     """Build the app; resources (client, Redis, workers) start with it and stop with it."""
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=settings.limits.max_body_bytes
+        middlewares=[count_requests, error_middleware],
+        client_max_size=settings.limits.max_body_bytes,
     )
     metrics = Metrics()
     tenants = TenantMap.from_file(settings.tenants_file)

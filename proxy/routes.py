@@ -7,12 +7,13 @@ import time
 import uuid
 
 from aiohttp import ClientResponse, web
+from aiohttp.typedefs import Handler
 
 from proxy.context import encode_context
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
-from proxy.runtime import RUNTIME, Runtime
+from proxy.runtime import RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
 from proxy.usage import UsageSniffer
@@ -27,10 +28,8 @@ _BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in on
 async def proxy_request(request: web.Request) -> web.StreamResponse:
     """Parse hints, register the session, forward to an engine, stream the answer back."""
     rt = request.app[RUNTIME]
-    route = request.path
     tenant = rt.tenants.tenant_for(request.headers)
-    raw = await request.read()
-    parsed = parse_request(route, request.headers, raw, rt.settings.limits)
+    parsed = parse_request(request.path, request.headers, await request.read(), rt.settings.limits)
     hint, reg = parsed.hint, None
     if hint is not None:
         for dialect in hint.dialects:
@@ -38,7 +37,20 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         if hint.manage_request:
             return await _manage(rt, tenant, hint)
         reg = await rt.register(tenant, hint)
+    outcome = None
+    if reg is not None:
+        outcome = reg.outcome + ("; edits=deferred" if hint and hint.edits else "")
+    resp, engine, usage = await _forward(rt, request, parsed.body, reg, outcome)
+    if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
+        rt.spawn(_after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage))
+    return resp
 
+
+async def _forward(
+    rt: Runtime, request: web.Request, body: bytes, reg: Registration | None, outcome: str | None
+) -> tuple[web.StreamResponse, Engine, Usage | None]:
+    """Send the request to the chosen engine (failing over) and relay its answer."""
+    route = request.path
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     headers = upstream_headers(
         request.headers,
@@ -48,26 +60,18 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     )
     order = rt.engine_order(reg.upserted if reg else None)
     sent_at = time.perf_counter()
-    engine, upstream = await rt.pool.open(
-        order, request.method, request.path_qs, headers, parsed.body
-    )
-    if upstream.status >= 400 and "json" not in upstream.content_type:
-        detail = (await upstream.read())[:200].decode(errors="replace")
-        upstream.release()
-        engine.inflight -= 1
-        rt.metrics.requests.labels(route, str(upstream.status)).inc()
-        raise UpstreamError(
-            f"engine {engine.name} answered {upstream.status}: {detail}",
-            status=upstream.status,
-            code="upstream_error",
-        )
-    outcome = None
-    if reg is not None:
-        outcome = reg.outcome + ("; edits=deferred" if hint and hint.edits else "")
-    sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
+    engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
     try:
+        if upstream.status >= 400 and "json" not in upstream.content_type:
+            detail = (await upstream.read())[:200].decode(errors="replace")
+            raise UpstreamError(
+                f"engine {engine.name} answered {upstream.status}: {detail}",
+                status=upstream.status,
+                code="upstream_error",
+            )
+        sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
         resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
-    except BaseException:  # client gone or cancelled: drop the engine's connection now
+    except BaseException:  # client gone, cancelled or refused: drop the engine's connection now
         upstream.close()
         raise
     finally:
@@ -76,14 +80,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if sniffer.first_byte_at is not None:
         rt.metrics.ttft.labels(route).observe(sniffer.first_byte_at - sent_at)
     rt.metrics.upstream_latency.labels(route).observe(time.perf_counter() - sent_at)
-    rt.metrics.requests.labels(route, str(upstream.status)).inc()
     usage = sniffer.finish()
     if usage is not None:
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
-    if hint is not None and reg is not None and reg.upserted is not None and upstream.status < 400:
-        rt.spawn(_after(rt, tenant, hint, reg.upserted, route, parsed.body, engine, usage))
-    return resp
+    return resp, engine, usage
 
 
 async def _relay(
@@ -204,6 +205,16 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     return web.Response(body=rt.metrics.render(), headers={"Content-Type": rt.metrics.content_type})
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Requests by route template and final status (outside the error middleware)."""
+    resp = await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[RUNTIME].metrics.requests.labels(route, str(resp.status)).inc()
+    return resp
 
 
 def add_routes(app: web.Application) -> None:

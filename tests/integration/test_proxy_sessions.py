@@ -129,6 +129,8 @@ async def test_invalid_hint_is_400_and_changes_nothing(
         assert r.status == 400 and body["error"]["type"] == "invalid_request_error"
         assert "supplied together" in body["error"]["message"]
         assert st.engine.received == []
+        metrics = await (await st.client.get("/metrics")).text()
+        assert 'kvkeeper_requests_total{route="/v1/chat/completions",status="400"} 1.0' in metrics
         client = aioredis.Redis.from_url(redis_server.url)
         keys = [k async for k in client.scan_iter(f"{namespace}:*")]
         assert [k for k in keys if b":lease:" not in k and b":fence:" not in k] == []

@@ -320,6 +320,11 @@ class Retention:
             await self.store.set_blocks(session.tenant, session.session_id, payload)
         return blocks
 
+    def known_blocks(self, tenant: str, sid: str) -> tuple[int, ...]:
+        """The session's block ids as last learned here (no I/O: for routing decisions)."""
+        cached = self._blocks.get((tenant, sid))
+        return cached[1] if cached is not None else ()
+
     def forget(self, tenant: str, sid: str) -> None:
         self._blocks.pop((tenant, sid), None)
 

@@ -40,14 +40,20 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     outcome = None
     if reg is not None:
         outcome = reg.outcome + ("; edits=deferred" if hint and hint.edits else "")
-    resp, engine, usage = await _forward(rt, request, parsed.body, reg, outcome)
+    session = (tenant, hint.session_id) if hint is not None else None
+    resp, engine, usage = await _forward(rt, request, parsed.body, reg, outcome, session)
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
         rt.spawn(_after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage))
     return resp
 
 
 async def _forward(
-    rt: Runtime, request: web.Request, body: bytes, reg: Registration | None, outcome: str | None
+    rt: Runtime,
+    request: web.Request,
+    body: bytes,
+    reg: Registration | None,
+    outcome: str | None,
+    session: tuple[str, str] | None,
 ) -> tuple[web.StreamResponse, Engine, Usage | None]:
     """Send the request to the chosen engine (failing over) and relay its answer."""
     route = request.path
@@ -58,7 +64,7 @@ async def _forward(
         api_key=rt.settings.upstream.api_key,
         drop_auth=rt.tenants.multi_tenant,
     )
-    order = rt.engine_order(reg.upserted if reg else None)
+    order = rt.engine_order(reg.upserted if reg else None, session)
     sent_at = time.perf_counter()
     engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
     try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from policy.routing import EngineCandidate, RouteRequest, route
 from proxy.auth import TenantMap
 from proxy.edits import EditExecutor, UnsupportedEdits
 from proxy.hints import Hint
@@ -81,19 +82,59 @@ class Runtime:
         self.metrics.hint_outcomes.labels("accepted", "").inc()
         return Registration("accepted" + notes, up)
 
-    def engine_order(self, upserted: Upserted | None) -> list[Engine]:
-        """Affinity first, then the parent's engine, then the least loaded (round robin on ties)."""
+    def engine_order(
+        self, upserted: Upserted | None, session: tuple[str, str] | None = None
+    ) -> list[Engine]:
+        """The engines to try, best first.
+
+        A known session is placed by ``policy.routing``: its affinity, its parent's engine, the
+        replica holding the longest resident prefix of its blocks, and load. Anything else goes
+        to the least loaded engine, round robin on ties.
+        """
         engines = self.pool.engines
         start = next(self._rr) % len(engines)
         rotated = engines[start:] + engines[:start]
         ranked = sorted(rotated, key=lambda e: (not e.healthy, e.inflight))
-        preferred = []
-        if upserted is not None:
-            for name in (upserted.engine, upserted.parent_engine):
-                eng = self.pool.get(name)
-                if eng is not None and eng.healthy and eng not in preferred:
-                    preferred.append(eng)
+        if upserted is None or len(engines) == 1:
+            return ranked
+        if self.retention is not None and session is not None:
+            return self._placed(upserted, session, ranked)
+        preferred: list[Engine] = []
+        for name in (upserted.engine, upserted.parent_engine):
+            eng = self.pool.get(name)
+            if eng is not None and eng.healthy and eng not in preferred:
+                preferred.append(eng)
         return preferred + [e for e in ranked if e not in preferred]
+
+    def _placed(
+        self, upserted: Upserted, session: tuple[str, str], ranked: list[Engine]
+    ) -> list[Engine]:
+        assert self.retention is not None
+        blocks = self.retention.known_blocks(*session)
+        candidates = []
+        for engine in ranked:
+            es = self.retention.engines[engine.name]
+            load = es.load
+            candidates.append(
+                EngineCandidate(
+                    name=engine.name,
+                    healthy=engine.healthy,
+                    kv_cache_usage=(load.kv_cache_usage or 0.0) if load else 0.0,
+                    waiting=(load.waiting or 0.0) if load else 0.0,
+                    running=max(float(engine.inflight), (load.running or 0.0) if load else 0.0),
+                    resident_prefix_blocks=es.index.resident_prefix(blocks) if blocks else 0,
+                )
+            )
+        decision = route(
+            candidates,
+            RouteRequest(
+                prompt_blocks=len(blocks),
+                affinity=upserted.engine,
+                parent_engine=upserted.parent_engine,
+            ),
+        )
+        order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]
+        return order + [e for e in ranked if e not in order]  # unhealthy ones last
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -1,0 +1,59 @@
+"""Placement across two simulated replicas: affinity, children follow the parent, load spreads."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from loadgen.sim import SimConfig, run_simulator
+from proxy.app import create_app
+from proxy.settings import load_settings
+from tests.helpers.redis_server import RedisServer
+from tests.integration.retention_fixtures import cached, prompt
+
+
+async def test_sessions_stay_children_follow_and_unhinted_spread(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with AsyncExitStack() as stack:
+        sims = [
+            await stack.enter_async_context(
+                run_simulator(SimConfig(num_blocks=400, speed=50, reply_tokens=1))
+            )
+            for _ in range(2)
+        ]
+        settings = load_settings(
+            engines=[{"url": s.url, "events": s.events_endpoint} for s in sims],
+            redis_url=redis_server.url,
+            namespace=namespace,
+            health_interval_s=60,
+            retention={"tick_s": 0.05},
+        )
+        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
+        await client.start_server()
+        stack.push_async_callback(client.close)
+
+        async def send(
+            tokens: list[int], hint: dict[str, Any] | None = None
+        ) -> tuple[str, dict[str, Any]]:
+            body: dict[str, Any] = {"model": "sim", "prompt": tokens, "max_tokens": 1}
+            if hint:
+                body["agent_hint"] = hint
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200
+            return resp.headers["X-KVKeeper-Engine"], dict(await resp.json())
+
+        lead_engine, _ = await send(prompt(1), {"session_id": "lead"})
+        for turn in range(4):  # affinity: every turn of a session lands where its prefix is
+            engine, answer = await send(prompt(1) + [7] * turn * 40, {"session_id": "lead"})
+            assert engine == lead_engine
+            assert cached(answer) >= 1984
+        for i in range(3):  # children go where the parent's prefix lives
+            engine, answer = await send(
+                prompt(1) + [9 + i] * 50, {"session_id": f"w{i}", "parent_session_id": "lead"}
+            )
+            assert engine == lead_engine and cached(answer) >= 1984
+        engines = {(await send(prompt(100 + i)))[0] for i in range(6)}
+        assert len(engines) == 2  # requests without a session spread over both replicas

@@ -44,9 +44,7 @@ class BlockHasher:
     def none_hash(self) -> bytes:
         return sha256_cbor(self.hash_seed)
 
-    def digests(
-        self, token_ids: Sequence[int], *, cache_salt: str | None = None
-    ) -> list[bytes]:
+    def digests(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[bytes]:
         """Full-block digests in order; the partial tail block is not hashed."""
         out: list[bytes] = []
         parent = self.none_hash
@@ -61,8 +59,6 @@ class BlockHasher:
             out.append(parent)
         return out
 
-    def block_ids(
-        self, token_ids: Sequence[int], *, cache_salt: str | None = None
-    ) -> list[int]:
+    def block_ids(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[int]:
         """Full-block hashes as KV-event integers."""
         return [event_id(d) for d in self.digests(token_ids, cache_salt=cache_salt)]

@@ -34,15 +34,26 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-BODY = {"model": "bench", "messages": [{"role": "user", "content": "Say hi. " * 40}], "max_tokens": 8}
+BODY = {
+    "model": "bench",
+    "messages": [{"role": "user", "content": "Say hi. " * 40}],
+    "max_tokens": 8,
+}
 ANSWER = json.dumps(
     {
         "id": "cmpl-bench",
         "object": "chat.completion",
         "created": 0,
         "model": "bench",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 90, "completion_tokens": 1, "total_tokens": 91, "prompt_tokens_details": {"cached_tokens": 64}},
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        ],
+        "usage": {
+            "prompt_tokens": 90,
+            "completion_tokens": 1,
+            "total_tokens": 91,
+            "prompt_tokens_details": {"cached_tokens": 64},
+        },
     }
 ).encode()
 
@@ -116,7 +127,13 @@ async def wait_http(url: str, timeout_s: float = 60) -> None:
 
 def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log = open(ROOT / "results" / f"bench-{Path(cmd[0]).name}-{len(cmd)}.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -128,7 +145,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 # --- load ----------------------------------------------------------------------------------------
-async def load(url: str, n: int, concurrency: int, headers: dict[str, str], hinted: bool) -> tuple[list[float], float]:
+async def load(
+    url: str, n: int, concurrency: int, headers: dict[str, str], hinted: bool
+) -> tuple[list[float], float]:
     lat: list[float] = []
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as s:
@@ -138,7 +157,13 @@ async def load(url: str, n: int, concurrency: int, headers: dict[str, str], hint
             for i in queue:
                 body = BODY
                 if hinted:  # a few hundred sessions, each with a TTL, like an agent swarm
-                    body = {**BODY, "agent_hint": {"session_id": f"s{(w * 7919 + i) % 500}", "cache_control": {"type": "ephemeral", "ttl": 300}}}
+                    body = {
+                        **BODY,
+                        "agent_hint": {
+                            "session_id": f"s{(w * 7919 + i) % 500}",
+                            "cache_control": {"type": "ephemeral", "ttl": 300},
+                        },
+                    }
                 t0 = time.perf_counter()
                 async with s.post(url, json=body, headers=headers) as r:
                     await r.read()
@@ -157,7 +182,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16,128")
@@ -170,7 +197,22 @@ async def main() -> None:
     procs = [spawn([sys.executable, __file__, "--serve-upstream", str(up_port)])]
     redis = spawn(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"])
     procs.append(redis)
-    kvk = spawn([sys.executable, "-m", "proxy.cli", "serve", "--port", str(kvk_port), "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0", "--log-level", "WARNING"])
+    kvk = spawn(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--port",
+            str(kvk_port),
+            "--engine",
+            upstream,
+            "--redis",
+            f"redis://127.0.0.1:{redis_port}/0",
+            "--log-level",
+            "WARNING",
+        ]
+    )
     procs.append(kvk)
     targets: dict[str, tuple[str, int | None, bool]] = {
         "direct": (upstream, None, False),
@@ -179,7 +221,21 @@ async def main() -> None:
     }
     router = None
     if args.router:
-        router = spawn([args.router, "--host", "127.0.0.1", "--port", str(router_port), "--worker-urls", upstream, "--policy", "cache_aware", "--log-level", "error"])
+        router = spawn(
+            [
+                args.router,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(router_port),
+                "--worker-urls",
+                upstream,
+                "--policy",
+                "cache_aware",
+                "--log-level",
+                "error",
+            ]
+        )
         procs.append(router)
         targets["vllm-router"] = (f"http://127.0.0.1:{router_port}", router.pid, False)
     try:
@@ -189,20 +245,27 @@ async def main() -> None:
             await wait_http(f"http://127.0.0.1:{router_port}/health", 120)
         results: dict[str, dict[str, Any]] = {}
         for c in (int(x) for x in args.concurrency.split(",")):
-            per: dict[str, dict[str, list[float]]] = {t: {"lat": [], "rps": [], "cpu": []} for t in targets}
-            for name, (url, _, hinted) in targets.items():  # warm-up
+            per: dict[str, dict[str, list[float]]] = {
+                t: {"lat": [], "rps": [], "cpu": []} for t in targets
+            }
+            for url, _, hinted in targets.values():  # warm-up
                 await load(url + "/v1/chat/completions", 200, c, {}, hinted)
             for rnd in range(args.rounds):
                 order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
                 for name in order:
                     url, pid, hinted = targets[name]
                     cpu0 = cpu_seconds(pid) if pid else 0.0
-                    lat, wall = await load(url + "/v1/chat/completions", args.requests, c, {}, hinted)
+                    lat, wall = await load(
+                        url + "/v1/chat/completions", args.requests, c, {}, hinted
+                    )
                     cpu1 = cpu_seconds(pid) if pid else 0.0
                     per[name]["lat"] += lat
                     per[name]["rps"].append(len(lat) / wall)
                     per[name]["cpu"].append((cpu1 - cpu0) / len(lat))
-                    print(f"c={c} round {rnd + 1}/{args.rounds} {name}: {statistics.median(lat) * 1e3:.2f} ms p50", file=sys.stderr)
+                    print(
+                        f"c={c} round {rnd + 1}/{args.rounds} {name}: {statistics.median(lat) * 1e3:.2f} ms p50",
+                        file=sys.stderr,
+                    )
             base = per["direct"]
             row: dict[str, Any] = {}
             for name, d in per.items():
@@ -212,19 +275,31 @@ async def main() -> None:
                     "added_p50_ms": (pct(d["lat"], 0.5) - pct(base["lat"], 0.5)) * 1e3,
                     "added_p99_ms": (pct(d["lat"], 0.99) - pct(base["lat"], 0.99)) * 1e3,
                     "rps": statistics.median(d["rps"]),
-                    "throughput_vs_direct": statistics.median(d["rps"]) / statistics.median(base["rps"]),
-                    "cpu_us_per_request": statistics.median(d["cpu"]) * 1e6 if name != "direct" else None,
+                    "throughput_vs_direct": statistics.median(d["rps"])
+                    / statistics.median(base["rps"]),
+                    "cpu_us_per_request": statistics.median(d["cpu"]) * 1e6
+                    if name != "direct"
+                    else None,
                 }
             results[str(c)] = row
-        ref = results
-        for c, row in ref.items():
+        for row in results.values():
             hinted, plain = row["kvkeeper+hints"], row["kvkeeper"]
             row["_ratios"] = {
-                "hinted_over_unhinted_added_p50": hinted["added_p50_ms"] / plain["added_p50_ms"] if plain["added_p50_ms"] > 0 else None,
-                "hinted_cpu_over_router_cpu": (hinted["cpu_us_per_request"] / row["vllm-router"]["cpu_us_per_request"]) if "vllm-router" in row else None,
+                "hinted_over_unhinted_added_p50": hinted["added_p50_ms"] / plain["added_p50_ms"]
+                if plain["added_p50_ms"] > 0
+                else None,
+                "hinted_cpu_over_router_cpu": (
+                    hinted["cpu_us_per_request"] / row["vllm-router"]["cpu_us_per_request"]
+                )
+                if "vllm-router" in row
+                else None,
             }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"requests": args.requests, "rounds": args.rounds, "results": results}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {"requests": args.requests, "rounds": args.rounds, "results": results}, indent=2
+            )
+        )
         print(render(results))
     finally:
         for p in procs:
@@ -232,16 +307,23 @@ async def main() -> None:
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| concurrency | target | p50 ms | p99 ms | added p50 ms | added p99 ms | throughput vs direct | proxy CPU µs/req |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | target | p50 ms | p99 ms | added p50 ms | added p99 ms | throughput vs direct | proxy CPU µs/req |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c, row in results.items():
         for name, d in row.items():
             if name.startswith("_"):
                 continue
             cpu = "-" if d["cpu_us_per_request"] is None else f"{d['cpu_us_per_request']:.0f}"
-            lines.append(f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} |")
+            lines.append(
+                f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} |"
+            )
     for c, row in results.items():
         r = row["_ratios"]
-        lines.append(f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}")
+        lines.append(
+            f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}"
+        )
     return "\n".join(lines)
 
 

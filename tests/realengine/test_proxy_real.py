@@ -33,25 +33,17 @@ BLOCK = 32
 
 
 @asynccontextmanager
-async def real_proxy(
-    engine: VLLMEngine,
-    redis_url: str,
-    namespace: str,
-    *,
-    lmcache: dict[str, Any] | None = None,
-    **retention: Any,
+async def proxy_for(
+    engine: dict[str, Any], redis_url: str, namespace: str, **retention: Any
 ) -> AsyncIterator[Client]:
-    """A kvkeeper app on an ephemeral port; its one engine is the real vLLM, events configured."""
-    spec: dict[str, Any] = {"url": engine.url, "events": engine.events_endpoint}
-    if lmcache is not None:
-        spec["lmcache"] = lmcache
+    """A kvkeeper app on an ephemeral port in front of one engine (an ``EngineSpec`` mapping)."""
     settings = load_settings(
-        engines=[spec],
+        engines=[engine],
         redis_url=redis_url,
         namespace=namespace,
         admin_token="admin-secret",
         health_interval_s=60,
-        retention={"tick_s": 0.1, "hash_seed": engine.hash_seed, **retention},
+        retention={"tick_s": 0.1, "hash_seed": "0", **retention},
     )
     client: Client = TestClient(TestServer(create_app(settings)))
     await client.start_server()
@@ -59,6 +51,16 @@ async def real_proxy(
         yield client
     finally:
         await client.close()
+
+
+@asynccontextmanager
+async def real_proxy(
+    engine: VLLMEngine, redis_url: str, namespace: str, **retention: Any
+) -> AsyncIterator[Client]:
+    """kvkeeper in front of the suite's vLLM, its KV events configured."""
+    spec = {"url": engine.url, "events": engine.events_endpoint}
+    async with proxy_for(spec, redis_url, namespace, hash_seed=engine.hash_seed, **retention) as c:
+        yield c
 
 
 async def metric(client: Client, name: str) -> float:

@@ -1,0 +1,154 @@
+"""``kvkeeper bench compare`` end to end: real simulator subprocesses, real kvkeeper + Redis
+subprocesses, real vllm-router when installed; figures checked against the offline ceilings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loadgen import ceiling
+from loadgen.bench_compare import (
+    CompareSpec,
+    plan_targets,
+    realized_replay,
+    replay_rates,
+    run_compare,
+)
+from loadgen.runner import RunOptions, RunResult
+from loadgen.sim.server import SimConfig
+from loadgen.targets import find_router
+from loadgen.workloads import build_workload
+from loadgen.workloads.base import Workload
+from proxy.cli import build_parser
+
+ROUTER = find_router()
+
+
+def small_swarm() -> Workload:
+    """Three users over four agents: anchors shared across users, a few tool pauses each."""
+    return build_workload(
+        "swarm",
+        {"users": 3, "agents": 3, "token_scale": 0.1, "arrival_rate": 2.0, "pause_cap": 2.0,
+         "max_dispatches": 4},
+    )  # fmt: skip
+
+
+def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) -> CompareSpec:
+    sim = SimConfig(profile="cpu-smollm2", speed=40.0, reply_tokens=1)
+    base = CompareSpec(
+        out=tmp_path / "cmp",
+        targets=targets,
+        sim=sim,
+        pool_frac=frac,
+        options=RunOptions(concurrency=16, time_scale=0.2, progress=False),
+        retention={"tick_s": 0.05},
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("requested", "replicas", "router", "expected"),
+    [
+        ((), 1, None, [("engine", None), ("none", None), ("session", None), ("full", None)]),
+        ((), 2, "/x", [("none", None), ("session", None), ("full", None),
+                       ("round-robin", None), ("vllm-router", None)]),
+        (("engine", "vllm-router"), 2, None,
+         [("engine", "several replicas: a plain client cannot spread over them"),
+          ("vllm-router", "vllm-router is not installed")]),
+    ],
+)  # fmt: skip
+def test_plan_targets(
+    requested: tuple[str, ...],
+    replicas: int,
+    router: str | None,
+    expected: list[tuple[str, str | None]],
+) -> None:
+    assert plan_targets(requested, replicas, router) == expected
+
+
+def test_plan_rejects_unknown_target() -> None:
+    with pytest.raises(ValueError, match="unknown target 'lru'"):
+        plan_targets(("lru",), 1, None)
+
+
+def test_cli_registers_compare() -> None:
+    args = build_parser().parse_args(
+        ["bench", "compare", "--workload", "swarm", "--pool-frac", "0.5", "--out", "x"]
+    )
+    assert args.bench_command == "compare"
+    assert args.pool_frac == 0.5
+
+
+async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> None:
+    workload = small_swarm()
+    doc = await run_compare(workload, spec(tmp_path, ("engine", "none", "full"), 0.5))
+    out = tmp_path / "cmp"
+    for name in ("compare.json", "compare.md", "report.md", "ttft_cdf.png", "hit_rate.png"):
+        assert (out / name).stat().st_size > 0, name
+    targets = doc["targets"]
+    n_calls = workload.n_calls()
+    prompt = sum(c.prompt_tokens for c in workload.calls())
+    planned = doc["ceilings"]["planned"]
+    # the pool is half the peak working set; the simulator got exactly that many usable blocks
+    assert planned["C"] == round(0.5 * planned["peak_ws"])
+    assert doc["setup"]["sim"]["num_blocks"] == planned["C"] + 1
+    for name in ("engine", "none", "full"):
+        t = targets[name]
+        assert t["errors"] == 0, name
+        assert t["requests"] == n_calls
+        assert t["prompt_tokens"] == prompt  # token ids: the engine saw the workload's tokens
+        assert 0.0 < t["hit_rate"] <= planned["inf"] + 1e-9
+    # a plain client through kvkeeper sends the same requests as one straight to the engine
+    assert targets["none"]["retention_prompt_tokens"] == 0
+    assert targets["engine"]["retention_prompt_tokens"] is None
+    # full hints: every session ends with an evict kvkeeper answers itself
+    evicts = sum(v for k, v in targets["full"]["manage"].items() if k.startswith("evict:"))
+    assert evicts == len(workload.sessions)
+    assert targets["full"]["gap_closed"] is not None
+    # the realized-timeline LRU replays what the engine did: its hit rate is close to measured
+    realized = doc["ceilings"]["realized"]
+    assert realized["from"] == "engine"
+    assert realized["lru"] <= realized["belady"] + 1e-9 <= realized["inf"] + 2e-9
+    assert abs(realized["lru"] - targets["engine"]["hit_rate"]) < 0.08
+    table = (out / "compare.md").read_text()
+    assert "| engine |" in table
+    assert "| full |" in table
+    assert "realized (engine)" in table
+
+
+async def test_realized_replay_matches_the_recorded_calls(tmp_path: Path) -> None:
+    workload = small_swarm()
+    await run_compare(workload, spec(tmp_path, ("engine",), 2.0))
+    result = RunResult.load(tmp_path / "cmp" / "engine.json")
+    replay = realized_replay(workload, result)
+    assert len(replay.reqs) == workload.n_calls()
+    assert replay.total_tokens == sum(c.prompt_tokens for c in workload.calls())
+    # a pool twice the peak working set never evicts: every policy reaches the infinite cache
+    rates = replay_rates(replay, 2 * ceiling.peak_working_set(replay))
+    assert rates["lru"] == pytest.approx(rates["inf"])
+    assert rates["belady"] == pytest.approx(rates["inf"])
+    doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    # no eviction at all: the engine's hit rate is the infinite cache's, up to vLLM never
+    # reusing a fully cached prompt's last block
+    assert doc["targets"]["engine"]["hit_rate"] == pytest.approx(rates["inf"], abs=0.03)
+
+
+@pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")
+async def test_compare_with_replicas_and_vllm_router(tmp_path: Path) -> None:
+    workload = small_swarm()
+    doc = await run_compare(
+        workload,
+        spec(tmp_path, ("round-robin", "vllm-router", "session"), 0.5, replicas=2, router=ROUTER),
+    )
+    targets = doc["targets"]
+    for name in ("round-robin", "vllm-router", "session"):
+        assert targets[name]["errors"] == 0, name
+        assert targets[name]["requests"] == workload.n_calls()
+    # two replicas share the pool: each got half of it
+    planned = doc["ceilings"]["planned"]
+    assert doc["setup"]["sim"]["num_blocks"] == -(-planned["C"] // 2) + 1
+    assert doc["ceilings"]["realized"]["from"] == "round-robin"
+    assert targets["round-robin"]["gap_closed"] == pytest.approx(0.0)

@@ -200,15 +200,28 @@ def arrival_of(workload: Workload, options: RunOptions) -> tuple[ceiling.Arrival
     return "open", 0
 
 
+def largest_request_blocks(workload: Workload) -> int:
+    """Blocks the largest call needs (prompt + output): an engine refuses a smaller pool."""
+    bt = workload.block_tokens
+    return max((-(-(c.prompt_tokens + c.max_tokens) // bt) for c in workload.calls()), default=1)
+
+
 def planned_ceilings(
-    workload: Workload, options: RunOptions, frac: float | None, capacity: int | None
+    workload: Workload,
+    options: RunOptions,
+    frac: float | None,
+    capacity: int | None,
+    floor: int = 1,
 ) -> dict[str, Any]:
-    """Peak working set and inf/Belady/LRU at the pool's capacity on the tool's own timeline."""
+    """Peak working set and inf/Belady/LRU at the pool's capacity on the tool's own timeline;
+    a share of the working set below ``floor`` blocks is raised to it (``raised_to_fit``)."""
     arrival, n = arrival_of(workload, options)
     replay = ceiling.layout(workload, arrival, n)
     peak = ceiling.peak_working_set(replay)
-    cap = capacity if capacity is not None else max(1, round((frac or 1.0) * peak))
-    return {"arrival": arrival, "n": n, "peak_ws": peak, **replay_rates(replay, cap)}
+    cap = capacity if capacity is not None else max(floor, round((frac or 1.0) * peak))
+    raised = capacity is None and cap > round((frac or 1.0) * peak)
+    rates = replay_rates(replay, cap)
+    return {"arrival": arrival, "n": n, "peak_ws": peak, "raised_to_fit": raised, **rates}
 
 
 def replay_rates(replay: ceiling.Replay, capacity: int) -> dict[str, Any]:
@@ -251,7 +264,8 @@ def sized_spec(workload: Workload, spec: CompareSpec) -> tuple[CompareSpec, dict
     capacity = spec.capacity_blocks
     if not spec.engine_urls and spec.pool_frac is None:
         capacity = (spec.sim.num_blocks - 1) * spec.replicas  # block 0 is vLLM's null block
-    planned = planned_ceilings(workload, spec.options, spec.pool_frac, capacity)
+    floor = largest_request_blocks(workload) * spec.replicas
+    planned = planned_ceilings(workload, spec.options, spec.pool_frac, capacity, floor)
     if spec.engine_urls:
         return spec, planned
     per_replica = max(1, math.ceil(planned["C"] / spec.replicas))
@@ -369,7 +383,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     planned, realized = c["planned"], c["realized"]
     lines = [
         f"### {doc['workload']}: {len(doc['targets'])} targets, pool {planned['C']} blocks "
-        f"(peak working set {planned['peak_ws']})",
+        f"(peak working set {planned['peak_ws']}"
+        + ("; raised to fit the largest request)" if planned.get("raised_to_fit") else ")"),
         "",
         "| target | hit rate | gap closed | TTFT mean s | TTFT p90 s | TTFT mean vs base | "
         "recomputed prompt tok | retention prompt tok (share) | retention recomputed (share) "

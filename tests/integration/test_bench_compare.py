@@ -12,6 +12,7 @@ import pytest
 from loadgen import ceiling
 from loadgen.bench_compare import (
     CompareSpec,
+    largest_request_blocks,
     plan_targets,
     realized_replay,
     replay_rates,
@@ -92,8 +93,11 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     n_calls = workload.n_calls()
     prompt = sum(c.prompt_tokens for c in workload.calls())
     planned = doc["ceilings"]["planned"]
-    # the pool is half the peak working set; the simulator got exactly that many usable blocks
-    assert planned["C"] == round(0.5 * planned["peak_ws"])
+    # the pool is half the peak working set, unless the largest request needs more; the
+    # simulator got exactly that many usable blocks
+    need = largest_request_blocks(workload)
+    assert planned["C"] == max(round(0.5 * planned["peak_ws"]), need)
+    assert planned["raised_to_fit"] == (need > round(0.5 * planned["peak_ws"]))
     assert doc["setup"]["sim"]["num_blocks"] == planned["C"] + 1
     for name in ("engine", "none", "full"):
         t = targets[name]

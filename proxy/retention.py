@@ -385,7 +385,19 @@ class Retention:
         by_key = {_key(s.tenant, s.session_id): s for s in sessions}
         chosen = set(plan.touch) | self._urgent(es, sessions, kept, now)
         for key in chosen:
-            self._spawn_touch(es, by_key[key])
+            session = by_key[key]
+            if self._lost(es, blocks[(session.tenant, session.session_id)]):
+                # the engine already evicted most of it: a touch would be a full re-prefill
+                # nobody asked for, competing with live traffic; the resume pays it if it comes
+                self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
+                continue
+            self._spawn_touch(es, session)
+
+    def _lost(self, es: EngineState, blocks: tuple[int, ...]) -> bool:
+        """With KV events: fewer than half of the session's blocks are still resident."""
+        if es.subscriber is None or not blocks:
+            return False
+        return es.index.resident_prefix(blocks) * 2 < len(blocks)
 
     def _urgent(
         self, es: EngineState, sessions: list[Session], kept: set[tuple[str, str]], now: float

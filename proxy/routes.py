@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -128,7 +129,10 @@ async def _relay(
             sniffer.first_byte_at = time.perf_counter()
         sniffer.feed(chunk)
         await stream.write(chunk)
-    await stream.write_eof()
+    # A client that closes as soon as it has read everything (after "data: [DONE]") makes
+    # the final empty chunk fail; the answer was delivered, so it still counts and is recorded.
+    with contextlib.suppress(ConnectionResetError):
+        await stream.write_eof()
     return stream
 
 

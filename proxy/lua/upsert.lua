@@ -50,6 +50,14 @@ if parent ~= '' then
   redis.call('HSET', KEYS[1], 'parent', parent)
   redis.call('EXPIRE', KEYS[4], expiry)
   redis.call('EXPIRE', KEYS[5], expiry)
+  -- a parent waiting on its children stays protected while they run: each child request
+  -- re-arms the parent's own TTL (never longer than that TTL from now)
+  local parent_ttl = tonumber(redis.call('HGET', KEYS[4], 'ttl') or '0')
+  local parent_until = tonumber(redis.call('HGET', KEYS[4], 'ttl_until') or '0')
+  if parent_ttl > 0 and parent_until > 0 and now + parent_ttl > parent_until then
+    redis.call('HSET', KEYS[4], 'ttl_until', now + parent_ttl)
+    redis.call('ZADD', KEYS[3], now + parent_ttl, ARGV[3] .. '\31' .. parent)
+  end
 end
 redis.call('HSET', KEYS[1], 'last_seen', now, 'state', 'active', 'retention', ARGV[7])
 redis.call('HINCRBY', KEYS[1], 'requests', 1)

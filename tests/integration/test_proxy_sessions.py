@@ -309,3 +309,22 @@ async def test_openapi_matches_routes(redis_server: RedisServer, namespace: str)
             if r.method != "HEAD" and r.resource is not None
         }
         assert documented == routed
+
+
+async def test_running_children_keep_their_parent_protected(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        await _chat(
+            st, {**CHAT, "agent_hint": {"session_id": "lead", "cache_control": {"ttl": 1.0}}}
+        )
+        for _ in range(4):  # 1.6 s of child activity: longer than the parent's own 1 s TTL
+            await asyncio.sleep(0.4)
+            await _chat(
+                st, {**CHAT, "agent_hint": {"session_id": "w", "parent_session_id": "lead"}}
+            )
+        lead = await (await st.client.get("/admin/sessions/lead", headers=ADMIN_HEADERS)).json()
+        assert lead["state"] in ("protected", "active") and 0.5 < lead["ttl_left_s"] <= 1.0
+        await asyncio.sleep(1.2)  # children stopped: the parent's TTL runs out on its own
+        lead = await (await st.client.get("/admin/sessions/lead", headers=ADMIN_HEADERS)).json()
+        assert lead["ttl_left_s"] == 0

@@ -17,29 +17,13 @@ from dataclasses import dataclass, field
 import aiohttp
 from multidict import CIMultiDict
 
+from adapters.vllm import HOP_BY_HOP
 from proxy.errors import UpstreamError
 from proxy.metrics import Metrics
 from proxy.settings import EngineSpec, UpstreamSettings
 
 log = logging.getLogger("kvkeeper.upstream")
 
-# RFC 9110 section 7.6.1 hop-by-hop headers, plus those aiohttp recomputes itself.
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
-)
 # kvkeeper's own request headers: consumed here, never sent to the engine.
 HINT_HEADERS = frozenset(
     h.lower() for h in ("X-Session-Id", "X-Parent-Session-Id", "X-Agent-Name", "X-Cache-TTL")

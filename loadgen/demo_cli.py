@@ -17,21 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import socket
-import sys
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import aiohttp
 
 from loadgen.metrics import summarize
 from loadgen.report import render_report
 from loadgen.runner import RunOptions, RunResult, Target, run_workload
 from loadgen.sim import SimConfig, run_simulator_process
+from loadgen.targets import start_kvkeeper
 from loadgen.workloads import build_workload
 from loadgen.workloads.hints import HintPolicy
 
@@ -80,51 +73,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.asynccontextmanager
-async def kvkeeper_process(engine_url: str, events: str) -> AsyncIterator[str]:
-    """``kvkeeper serve`` as a child process with its embedded Redis; yields its base URL."""
-    port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--engine", engine_url, "--engine-events", events, "--log-level", "WARNING",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "KVKEEPER_RETENTION__TICK_S": "0.1"},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await _wait_ready(url + "/readyz", proc)
-        yield url
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), 10)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-
-
-async def _wait_ready(url: str, proc: asyncio.subprocess.Process, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                err = await proc.stderr.read() if proc.stderr else b""
-                raise RuntimeError(f"kvkeeper exited at start-up: {err.decode()[-2000:]}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"kvkeeper did not become ready within {within:.0f}s")
-
-
 async def _one(args: argparse.Namespace, label: str, hints: str) -> RunResult:
     workload = build_workload("swarm", {**SWARM, "users": args.users, "seed": args.seed})
     sim_cfg = SimConfig(
@@ -135,7 +83,10 @@ async def _one(args: argparse.Namespace, label: str, hints: str) -> RunResult:
         if label == "direct":
             target = Target(sim.url, "sim", hints=HintPolicy(mode="none"))
             return await run_workload(workload, target, options, label=label)
-        async with kvkeeper_process(sim.url, sim.events_endpoint) as url:
+        # kvkeeper with its embedded Redis (no URL), as `kvkeeper serve` runs by default
+        retention = {"tick_s": 0.1}
+        logs = args.out / "logs"
+        async with start_kvkeeper([sim], None, logs, retention=retention, offload=False) as url:
             target = Target(url, "sim", hints=HintPolicy(mode=hints))  # type: ignore[arg-type]
             return await run_workload(workload, target, options, label=label)
 

@@ -94,16 +94,10 @@ class HorizonTap:
         self._stored_total = 0  # GPU blocks stored since start: the allocation front's position
         self._marks: deque[tuple[float, int]] = deque(maxlen=100_000)
         self._stored_at: dict[int, float] = {}
-        self._used_at: dict[int, float] = {}
         self.evictions = 0
 
     def note_used(self, blocks: Iterable[int], at: float) -> None:
-        blocks = list(blocks)
         self.index.note_used(blocks, at)
-        for b in blocks:
-            self._used_at[b] = at
-        if len(self._used_at) > 2_000_000:
-            self._used_at.clear()
 
     def apply(self, batch: EventBatch) -> None:
         at = self._clock()
@@ -116,7 +110,8 @@ class HorizonTap:
                     self._stored_at[h] = at
             elif isinstance(event, BlockRemoved) and event.medium == GPU:
                 for h in event.block_hashes:
-                    last = max(self._used_at.pop(h, 0.0), self._stored_at.pop(h, 0.0))
+                    # the index still knows the last use: it applies this batch below
+                    last = max(self.index.last_used(h) or 0.0, self._stored_at.pop(h, 0.0))
                     if last > 0:
                         ages.append(at - last)
             elif isinstance(event, AllBlocksCleared):

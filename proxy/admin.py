@@ -31,6 +31,7 @@ def admin_route(fn: AdminHandler) -> Callable[[web.Request], Awaitable[web.Respo
         if rt.store is None:
             raise StoreUnavailable("session store unavailable", code="store_unavailable")
         try:
+            await rt.settle()
             return await fn(request, rt, rt.store, principal)
         except StoreDown as exc:
             raise StoreUnavailable(

@@ -15,6 +15,7 @@ from adapters.lmcache import LMCacheAdapter, LMCacheConfig
 from adapters.vllm import EventEndpoints, VLLMAdapter
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
+from proxy.completions import CompletionWriter
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
 from proxy.errors import error_middleware
@@ -98,6 +99,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         )
         pool = EnginePool(settings.engines, client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
+        rt.completions = CompletionWriter(store, on_drop=metrics.completions_dropped.inc)
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt
@@ -116,6 +118,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             if rt.retention is not None:
                 await rt.retention.stop()
             await rt.drain()
+            await rt.completions.close()
             await client.close()
             await redis.aclose()
             if embedded is not None:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from proxy import jsonio
 from proxy.errors import BadRequest
 from proxy.settings import Limits
 
@@ -348,9 +349,10 @@ def parse_request(
     """Extract the hint from one request; raise BadRequest on an invalid hint or body."""
     draft = _Draft(limits)
     body: dict[str, Any] | None = None
+    fast = True
     if might_carry_body_hint(raw):
         try:
-            parsed = json.loads(raw)
+            parsed, fast = jsonio.loads_exact(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(
                 f"request body is not valid JSON: {exc}", code="invalid_json"
@@ -368,5 +370,5 @@ def parse_request(
         _headers(draft, headers)
     hint = draft.finish()
     if body is not None:
-        raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        raw = jsonio.dumps(body, fast=fast)
     return ParsedRequest(hint=hint, body=raw, json_body=body)

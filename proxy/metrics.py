@@ -64,6 +64,11 @@ class Metrics:
         self.fail_open = Counter(
             "kvkeeper_fail_open_requests", "Requests forwarded without session features", registry=r
         )
+        self.completions_dropped = Counter(
+            "kvkeeper_completions_dropped",
+            "Finished requests whose usage could not be recorded (Redis down too long)",
+            registry=r,
+        )
         self.engine_up = Gauge(
             "kvkeeper_engine_up", "Engine health (1 up, 0 down)", ["engine"], registry=r
         )

@@ -10,7 +10,6 @@ import uuid
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
-from proxy.context import encode_context
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
@@ -44,7 +43,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     session = (tenant, hint.session_id) if hint is not None else None
     resp, engine, usage = await _forward(rt, request, parsed.body, reg, outcome, session)
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
-        rt.spawn(_after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage))
+        _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage)
     return resp
 
 
@@ -136,7 +135,7 @@ async def _relay(
     return stream
 
 
-async def _after(
+def _after(
     rt: Runtime,
     tenant: str,
     hint: Hint,
@@ -146,33 +145,38 @@ async def _after(
     engine: Engine,
     usage: Usage | None,
 ) -> None:
-    """Off the hot path: record usage + context, feed retention, then run deferred edits."""
-    assert rt.store is not None
-    sid = hint.session_id
-    try:
-        context = encode_context(route, body, hint.breakpoint, hint.block_offset)
-        await rt.store.record_completion(
-            tenant,
-            sid,
-            engine=engine.name,
-            usage=usage or Usage(),
-            context=context,
-            now=time.time(),
-        )
-        if rt.retention is not None:
-            rt.retention.on_completion(engine.name, usage, before)
-    except StoreDown:
-        return
+    """Record usage + context (buffered, written in batches), feed retention, run edits."""
+    assert rt.completions is not None
+    rt.completions.add(
+        tenant,
+        hint.session_id,
+        engine=engine.name,
+        usage=usage or Usage(),
+        route=route,
+        body=body,
+        breakpoint=hint.breakpoint,
+        block_offset=hint.block_offset,
+        now=time.time(),
+    )
+    if rt.retention is not None:
+        rt.retention.on_completion(engine.name, usage, before)
     if hint.edits:
-        results = await rt.edits.apply(tenant, sid, hint.edits)
-        for r in results:
-            rt.metrics.edits.labels(r.edit.type, r.status).inc()
+        rt.spawn(_apply_edits(rt, tenant, hint))
+
+
+async def _apply_edits(rt: Runtime, tenant: str, hint: Hint) -> None:
+    """Deferred edits of a served request run once its context is written."""
+    await rt.settle()
+    results = await rt.edits.apply(tenant, hint.session_id, hint.edits)
+    for r in results:
+        rt.metrics.edits.labels(r.edit.type, r.status).inc()
 
 
 async def _manage(rt: Runtime, tenant: str, hint: Hint) -> web.Response:
     """``manage_request: true``: run the edits now, never reach the model."""
     if rt.store is None:
         raise StoreUnavailable("session store unavailable", code="store_unavailable")
+    await rt.settle()
     try:
         session = await rt.store.get(tenant, hint.session_id)
     except StoreDown as exc:

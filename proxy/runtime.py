@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from proxy.store import SessionStore, StoreDown, StoreRejected, Upserted
 from proxy.upstream import Engine, EnginePool
 
 if TYPE_CHECKING:
+    from proxy.completions import CompletionWriter
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
@@ -44,6 +46,7 @@ class Runtime:
     store: SessionStore | None
     edits: EditExecutor = field(default_factory=UnsupportedEdits)
     retention: Retention | None = None
+    completions: CompletionWriter | None = None
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
@@ -62,6 +65,12 @@ class Runtime:
     async def drain(self, grace_s: float = 5.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
+
+    async def settle(self) -> None:
+        """Write finished requests still buffered, so the next read sees them."""
+        if self.completions is not None:
+            with contextlib.suppress(StoreDown):
+                await self.completions.flush()
 
     async def register(self, tenant: str, hint: Hint) -> Registration:
         """Upsert the hint's session; never raises: Redis trouble fails open."""

@@ -137,7 +137,7 @@ _BRIEF = (
     "parent",
     "last_prompt_tokens",
 )
-_SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease")
+_SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease", "protected")
 
 
 def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len: int) -> Session:
@@ -269,31 +269,34 @@ class SessionStore:
             int(_text(last_prompt)),
         )
 
-    async def record_completion(
-        self,
-        tenant: str,
-        sid: str,
-        *,
-        engine: str,
-        usage: Usage,
-        context: bytes | None,
-        now: float,
-    ) -> bool:
-        """Record usage, affinity and context after a request (off the hot path)."""
-        if context is not None and len(context) > self.limits.max_context_bytes:
-            context = None  # too large to keep: the session simply cannot be re-touched
-        keys = [self.key("s", tenant, sid), self.key("ctx", tenant, sid), self.index_key(tenant)]
-        args: list[bytes | str | int | float] = [
-            repr(now),
-            engine,
-            usage.prompt_tokens,
-            usage.cached_tokens,
-            usage.completion_tokens,
-            context or b"",
-            self.limits.idle_expiry_s,
-            sid,
-        ]
-        return bool(await self._call(lambda: self.scripts.call("complete", keys, args)))
+    async def record_completions(
+        self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]]
+    ) -> int:
+        """Write finished requests, merged per session, in one script call (off the hot path).
+
+        A record is (tenant, sid, now, engine, last request's usage, summed usage, context blob
+        or b""). Returns how many sessions still existed.
+        """
+        keys: list[str] = []
+        args: list[bytes | str | int | float] = [self.limits.idle_expiry_s]
+        for tenant, sid, now, engine, last, total, context in records:
+            keys += [
+                self.key("s", tenant, sid),
+                self.key("ctx", tenant, sid),
+                self.index_key(tenant),
+            ]
+            args += [
+                repr(now),
+                engine,
+                last.prompt_tokens,
+                last.cached_tokens,
+                total.prompt_tokens,
+                total.cached_tokens,
+                total.completion_tokens,
+                context,
+                sid,
+            ]
+        return int(await self._call(lambda: self.scripts.call("complete", keys, args)))
 
     # --- reads ----------------------------------------------------------------------------------
     async def get(self, tenant: str, sid: str) -> Session | None:
@@ -426,30 +429,20 @@ class SessionStore:
             await self._call(lambda: self.redis.delete(key))
 
     async def protected(self, now: float, limit: int = 100_000) -> list[Session]:
-        """Every session whose TTL deadline is still ahead, across tenants."""
-        raw = await self._call(
-            lambda: self.redis.zrangebyscore(self.deadlines_key, now, "+inf", start=0, num=limit)
-        )
-        by_tenant: dict[str, list[str]] = {}
-        for member in raw:
-            tenant, _, sid = _text(member).partition(SEP)
-            by_tenant.setdefault(tenant, []).append(sid)
-        members = [(t, sid) for t, ids in by_tenant.items() for sid in ids]
-
-        async def op() -> list[Any]:
-            # the fields the retention worker reads, one HMGET each: it runs every tick
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for tenant, sid in members:
-                    pipe.hmget(self.key("s", tenant, sid), _BRIEF)
-                return list(await pipe.execute())
-
+        """Every session whose TTL deadline is still ahead, across tenants (one script call)."""
+        keys = [self.deadlines_key]
+        args: list[str | int] = [repr(now), limit, self.ns, *_BRIEF]
+        flat = await self._call(lambda: self.scripts.call("protected", keys, args))
+        width = 1 + len(_BRIEF)
         out: list[Session] = []
-        for (tenant, _), values in zip(members, await self._call(op), strict=True):
-            if values[0] is not None:
-                fields = {
-                    f.encode(): v for f, v in zip(_BRIEF, values, strict=True) if v is not None
-                }
-                out.append(_decode(tenant, fields, [], 0))
+        for i in range(0, len(flat), width):
+            tenant = _text(flat[i])
+            fields = {
+                f.encode(): v
+                for f, v in zip(_BRIEF, flat[i + 1 : i + width], strict=True)
+                if v is not None
+            }
+            out.append(_decode(tenant, fields, [], 0))
         return out
 
     async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:

@@ -8,9 +8,9 @@ and in SSE streams. Only lines that mention ``"usage"`` are parsed.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from proxy import jsonio
 from proxy.store import Usage
 
 _MAX_JSON_BODY = 8 * 1024 * 1024  # non-stream bodies larger than this are not inspected
@@ -104,7 +104,7 @@ class UsageSniffer:
 
     def _take(self, payload: bytes) -> None:
         try:
-            event = json.loads(payload)
+            event = jsonio.loads(payload)
         except ValueError:
             return
         found = normalize(_find_usage(event))

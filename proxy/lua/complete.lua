@@ -1,24 +1,32 @@
--- Record a finished request: engine affinity, usage counters, state, and the context to re-touch.
--- Never resurrects a session freed while its request ran.
--- KEYS[1] session hash  KEYS[2] context STRING  KEYS[3] tenant index ZSET
--- ARGV[1] now  ARGV[2] engine  ARGV[3] prompt tokens  ARGV[4] cached tokens
--- ARGV[5] completion tokens  ARGV[6] context blob or ""  ARGV[7] safety expiry seconds  ARGV[8] sid
--- Returns 1 when recorded, 0 when the session no longer exists.
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local now = tonumber(ARGV[1])
-redis.call('HSET', KEYS[1], 'engine', ARGV[2], 'last_used', now,
-  'last_prompt_tokens', ARGV[3], 'last_cached_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
-local ttl_until = tonumber(redis.call('HGET', KEYS[1], 'ttl_until') or '0')
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'active' then
-  redis.call('HSET', KEYS[1], 'state', ttl_until > now and 'protected' or 'idle')
+-- Record finished requests in one call: engine affinity, usage counters, state, and the context
+-- to re-touch. Records are per session, already merged by the proxy (counters are sums; the
+-- "last" fields and the context are the latest request's). Never resurrects a session freed
+-- while its request ran.
+-- KEYS, per record i (0-based): [3i+1] session hash  [3i+2] context STRING  [3i+3] tenant index
+-- ARGV[1] safety expiry seconds; then 9 per record: now, engine, last prompt tokens,
+--   last cached tokens, prompt tokens, cached tokens, completion tokens, context blob or "", sid
+-- Returns the number of records written (sessions that still existed).
+local min_expiry = tonumber(ARGV[1])
+local written = 0
+for i = 0, #KEYS / 3 - 1 do
+  local s, ctx, idx = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local a = 1 + 9 * i
+  if redis.call('EXISTS', s) == 1 then
+    local now = tonumber(ARGV[a + 1])
+    redis.call('HSET', s, 'engine', ARGV[a + 2], 'last_used', now,
+      'last_prompt_tokens', ARGV[a + 3], 'last_cached_tokens', ARGV[a + 4])
+    redis.call('HINCRBY', s, 'prompt_tokens', ARGV[a + 5])
+    redis.call('HINCRBY', s, 'cached_tokens', ARGV[a + 6])
+    redis.call('HINCRBY', s, 'completion_tokens', ARGV[a + 7])
+    local ttl_until = tonumber(redis.call('HGET', s, 'ttl_until') or '0')
+    if redis.call('HGET', s, 'state') == 'active' then
+      redis.call('HSET', s, 'state', ttl_until > now and 'protected' or 'idle')
+    end
+    if ARGV[a + 8] ~= '' then
+      redis.call('SET', ctx, ARGV[a + 8], 'EX', math.max(min_expiry, redis.call('TTL', s)))
+    end
+    redis.call('ZADD', idx, now, ARGV[a + 9])
+    written = written + 1
+  end
 end
-local expiry = math.max(tonumber(ARGV[7]), redis.call('TTL', KEYS[1]))
-if ARGV[6] ~= '' then
-  redis.call('SET', KEYS[2], ARGV[6], 'EX', expiry)
-end
-redis.call('ZADD', KEYS[3], now, ARGV[8])
-return 1
+return written

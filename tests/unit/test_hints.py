@@ -392,3 +392,29 @@ def test_more_than_four_anthropic_breakpoints() -> None:
 def test_invalid_json_with_hint_marker() -> None:
     with pytest.raises(BadRequest, match="not valid JSON"):
         parse_request("/v1/chat/completions", {}, b'{"agent_hint": ', LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("raw", "forwarded"),
+    [
+        # orjson would read the wide integer as a float and NaN not at all: the stdlib path keeps them
+        (
+            b'{"seed":123456789012345678901234,"agent_hint":{"session_id":"a"}}',
+            b'{"seed":123456789012345678901234}',
+        ),
+        (b'{"temperature":NaN,"agent_hint":{"session_id":"a"}}', b'{"temperature":NaN}'),
+        (
+            '{"content":"caf\u00e9 \u2603","agent_hint":{"session_id":"a"}}'.encode(),
+            '{"content":"caf\u00e9 \u2603"}'.encode(),
+        ),
+        (
+            b'{"x":[1.5,1e-07,true,null],"agent_hint":{"session_id":"a"}}',
+            b'{"x":[1.5,1e-07,true,null]}',
+        ),
+    ],
+)
+def test_stripped_body_keeps_every_value(raw: bytes, forwarded: bytes) -> None:
+    parsed = parse_request("/v1/chat/completions", {}, raw, Limits())
+    assert parsed.hint is not None and parsed.hint.session_id == "a"
+    # byte-exact up to float spelling (orjson writes 1e-7 where json writes 1e-07)
+    assert parsed.body.replace(b"1e-7", b"1e-07") == forwarded

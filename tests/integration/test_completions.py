@@ -1,0 +1,110 @@
+"""Finished requests are merged per session and written in batches, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from redis.asyncio import Redis
+
+from proxy.completions import CompletionWriter
+from proxy.context import decode_context
+from proxy.hints import Hint
+from proxy.runtime import RUNTIME
+from proxy.settings import Limits
+from proxy.store import SessionStore, Usage
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import ADMIN_HEADERS, proxy_stack
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "shared prefix " * 40}]}
+
+
+def _store(url: str, namespace: str, **limits: int) -> SessionStore:
+    return SessionStore(Redis.from_url(url), Limits(**limits), namespace=namespace)
+
+
+async def _add(w: CompletionWriter, sid: str, prompt: int, cached: int, engine: str) -> None:
+    body = json.dumps({**CHAT, "n": prompt}).encode()
+    w.add(
+        "t",
+        sid,
+        engine=engine,
+        usage=Usage(prompt, cached, 1),
+        route="/v1/chat/completions",
+        body=body,
+        breakpoint=None,
+        block_offset=None,
+        now=time.time(),
+    )
+
+
+async def test_requests_of_one_session_merge_into_one_record(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    store = _store(redis_server.url, namespace)
+    writer = CompletionWriter(store, interval_s=10)  # only explicit flushes
+    try:
+        await store.upsert("t", Hint(session_id="a"), time.time())
+        for i, (prompt, cached) in enumerate([(100, 0), (120, 96), (150, 112)]):
+            await _add(writer, "a", prompt, cached, f"e{i}")
+        assert len(writer) == 1
+        await writer.flush()
+        s = await store.get("t", "a")
+        assert s is not None and writer.writes == 1 and len(writer) == 0
+        assert s.counters["prompt_tokens"] == 370 and s.counters["cached_tokens"] == 208
+        assert s.counters["completion_tokens"] == 3
+        assert s.last_prompt_tokens == 150 and s.engine == "e2"  # the latest request's
+        blob = await store.get_context("t", "a")
+        assert blob is not None and decode_context(blob).body["n"] == 150
+        # a session freed while its request ran is not resurrected
+        await store.free("t", "a")
+        await _add(writer, "a", 10, 0, "e0")
+        await writer.flush()
+        assert await store.get("t", "a") is None
+    finally:
+        await store.redis.aclose()
+
+
+async def test_redis_down_keeps_records_within_the_bound(redis_server: RedisServer) -> None:
+    store = _store("redis://127.0.0.1:1/0", "down")  # nothing listens on port 1
+    dropped: list[int] = []
+    writer = CompletionWriter(store, interval_s=10, max_pending=3, on_drop=dropped.append)
+    try:
+        for sid in ("a", "b"):
+            await _add(writer, sid, 10, 0, "e")
+        await writer.flush()  # fails: kept for the next write
+        assert len(writer) == 2 and writer.writes == 0 and not dropped
+        for sid in ("a", "c", "d"):
+            await _add(writer, sid, 10, 0, "e")
+        await writer.flush()
+        assert len(writer) == 3 and dropped == [1]  # "a" merged, "b" (the oldest) dropped
+    finally:
+        await store.redis.aclose()
+
+
+async def test_proxy_writes_many_requests_in_few_round_trips(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        n, sessions = 120, 8
+
+        async def one(i: int) -> None:
+            hint = {"session_id": f"s{i % sessions}", "cache_control": {"ttl": 60}}
+            resp = await st.client.post("/v1/chat/completions", json={**CHAT, "agent_hint": hint})
+            assert resp.status == 200
+            await resp.read()
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        writer = st.client.app[RUNTIME].completions
+        assert writer is not None
+        # the admin API writes what is buffered before it reads
+        total = 0
+        for i in range(sessions):
+            resp = await st.client.get(f"/admin/sessions/s{i}", headers=ADMIN_HEADERS)
+            s = await resp.json()
+            assert s["counters"]["requests"] == n // sessions and s["state"] == "protected"
+            total += s["counters"]["prompt_tokens"]
+        prompt = len(json.dumps(CHAT["messages"])) // 4  # the fake engine's count
+        assert total == n * prompt
+        assert 1 <= writer.writes < n // 4

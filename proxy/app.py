@@ -120,6 +120,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             await rt.drain()
             await rt.completions.close()
             await client.close()
+            await store.aclose()
             await redis.aclose()
             if embedded is not None:
                 await embedded.stop()

@@ -276,13 +276,15 @@ class Retention:
         return tuple(ids[:offset] if offset is not None else ids)
 
     async def blocks_of(
-        self, tenant: str, sid: str, session: Session | None = None
+        self, tenant: str, sid: str, session: Session | None = None, *, active_s: float = 0.0
     ) -> tuple[int, ...]:
         """The block ids of the session's recorded context, recomputed only when it changed.
 
         Learned lazily (here, not on the request path): tokenizing costs an engine round trip,
         and only protected sessions and edits need the ids. The version is the session's
         ``last_used`` stamp, so every proxy replica sees when another one recorded a new context.
+        A session used within the last ``active_s`` seconds keeps the ids learned before: it
+        needs no touch while it runs, and is re-learned once when it pauses.
         """
         if session is None:
             session = await self.store.get(tenant, sid)
@@ -290,8 +292,13 @@ class Retention:
                 return ()
         version = session.last_used
         cached = self._blocks.get((tenant, sid))
-        if cached is not None and cached[0] == version:
+        if cached is not None and (
+            cached[0] == version or time.time() - session.last_used < active_s
+        ):
             return cached[1]
+        es = self.engines.get(session.engine or "")
+        if es is not None and es.no_tokenize:  # nobody can learn them: skip the reads
+            return cached[1] if cached is not None else ()
         raw = await self.store.get_blocks(tenant, sid)
         if raw is not None and len(raw) >= 8 and _VERSION.unpack(raw[:8])[0] == version:
             blocks = unpack_blocks(raw[8:])
@@ -351,7 +358,9 @@ class Retention:
         if not sessions:
             return
         blocks = {
-            (s.tenant, s.session_id): await self.blocks_of(s.tenant, s.session_id, s)
+            (s.tenant, s.session_id): await self.blocks_of(
+                s.tenant, s.session_id, s, active_s=self.settings.relearn_idle_s
+            )
             for s in sessions
         }
         kept = self._budget(es, sessions, blocks, now)

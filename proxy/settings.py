@@ -106,6 +106,8 @@ class RetentionSettings(BaseModel):
     budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
     fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
     lease_ttl_s: float = Field(default=3.0, gt=0)
+    # block ids of a protected session are re-learned (a tokenize) once it has paused this long
+    relearn_idle_s: float = Field(default=1.0, ge=0)
     hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
     block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
 

@@ -223,6 +223,10 @@ class SessionStore:
                 self._on_error()
             raise StoreDown(f"redis unavailable: {exc}") from exc
 
+    async def aclose(self) -> None:
+        """Close the script connection; the Redis client itself belongs to the caller."""
+        await self.scripts.aclose()
+
     async def ping(self) -> bool:
         try:
             return bool(await self._call(lambda: self.redis.ping()))

@@ -63,6 +63,7 @@ async def test_requests_of_one_session_merge_into_one_record(
         await writer.flush()
         assert await store.get("t", "a") is None
     finally:
+        await store.aclose()
         await store.redis.aclose()
 
 
@@ -80,6 +81,7 @@ async def test_redis_down_keeps_records_within_the_bound(redis_server: RedisServ
         await writer.flush()
         assert len(writer) == 3 and dropped == [1]  # "a" merged, "b" (the oldest) dropped
     finally:
+        await store.aclose()
         await store.redis.aclose()
 
 

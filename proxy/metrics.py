@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -15,6 +19,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "kvkeeper_requests",
             "Proxied requests by route and status",
@@ -109,6 +114,14 @@ class Metrics:
             ["engine"],
             registry=r,
         )
+
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)``, remembered: the request path asks for the same few."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-import uuid
 
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
@@ -33,7 +33,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     hint, reg = parsed.hint, None
     if hint is not None:
         for dialect in hint.dialects:
-            rt.metrics.hints.labels(dialect).inc()
+            rt.metrics.child(rt.metrics.hints, dialect).inc()
         if hint.manage_request:
             return await _manage(rt, tenant, hint)
         reg = await rt.register(tenant, hint)
@@ -57,7 +57,7 @@ async def _forward(
 ) -> tuple[web.StreamResponse, Engine, Usage | None]:
     """Send the request to the chosen engine (failing over) and relay its answer."""
     route = request.path
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = request.headers.get("X-Request-Id") or os.urandom(16).hex()
     headers = upstream_headers(
         request.headers,
         request_id,
@@ -84,8 +84,8 @@ async def _forward(
         engine.inflight -= 1
         upstream.release()
     if sniffer.first_byte_at is not None:
-        rt.metrics.ttft.labels(route).observe(sniffer.first_byte_at - sent_at)
-    rt.metrics.upstream_latency.labels(route).observe(time.perf_counter() - sent_at)
+        rt.metrics.child(rt.metrics.ttft, route).observe(sniffer.first_byte_at - sent_at)
+    rt.metrics.child(rt.metrics.upstream_latency, route).observe(time.perf_counter() - sent_at)
     usage = sniffer.finish()
     if usage is not None:
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
@@ -227,7 +227,8 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     resp = await handler(request)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    request.app[RUNTIME].metrics.requests.labels(route, str(resp.status)).inc()
+    metrics = request.app[RUNTIME].metrics
+    metrics.child(metrics.requests, route, str(resp.status)).inc()
     return resp
 
 

@@ -80,15 +80,15 @@ class Runtime:
         try:
             up = await self.store.upsert(tenant, hint, time.time())
         except StoreRejected as exc:
-            self.metrics.hint_outcomes.labels("rejected", exc.reason).inc()
+            self.metrics.child(self.metrics.hint_outcomes, "rejected", exc.reason).inc()
             return Registration(f"rejected; reason={exc.reason}", None)
         except StoreDown:
             self.metrics.fail_open.inc()
-            self.metrics.hint_outcomes.labels("rejected", "store_unavailable").inc()
+            self.metrics.child(self.metrics.hint_outcomes, "rejected", "store_unavailable").inc()
             return Registration("rejected; reason=store_unavailable", None)
         if up.created:
             self.metrics.sessions_created.inc()
-        self.metrics.hint_outcomes.labels("accepted", "").inc()
+        self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
         return Registration("accepted" + notes, up)
 
     def engine_order(

@@ -77,6 +77,15 @@ class CompletionWriter:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def latest(self, tenant: str, sid: str) -> tuple[str, float, int] | None:
+        """(engine, finished at, prompt tokens) of the session's newest request not yet written.
+
+        Redis lags the buffer by up to ``interval_s``; the request path reads this to keep a
+        session's affinity while its previous request is still buffered here.
+        """
+        p = self._pending.get((tenant, sid))
+        return None if p is None else (p.engine, p.now, p.last.prompt_tokens)
+
     def add(
         self,
         tenant: str,

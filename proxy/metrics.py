@@ -105,6 +105,13 @@ class Metrics:
         self.pressure_overrides = Counter(
             "kvkeeper_pressure_overrides", "Protections lapsed by the soft-TTL budget", registry=r
         )
+        self.retention_tick = Histogram(
+            "kvkeeper_retention_tick_seconds",
+            "Wall time of one retention tick (the event loop is shared with the data plane)",
+            ["engine"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
         self.protected_sessions = Gauge(
             "kvkeeper_protected_sessions", "Sessions currently protected", ["engine"], registry=r
         )

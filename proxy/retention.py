@@ -343,7 +343,11 @@ class Retention:
                     )
                 es.leader_token = token
                 if token:
+                    started = time.perf_counter()
                     await self.tick(es, time.time())
+                    self.metrics.child(self.metrics.retention_tick, es.engine.name).observe(
+                        time.perf_counter() - started
+                    )
             except StoreDown:
                 es.leader_token = 0
             except Exception:  # a bad tick must not end the worker
@@ -357,12 +361,13 @@ class Retention:
         sessions = [s for s in await self.store.protected(now) if self._drives(es, s)]
         if not sessions:
             return
-        blocks = {
-            (s.tenant, s.session_id): await self.blocks_of(
+        blocks: dict[tuple[str, str], tuple[int, ...]] = {}
+        for i, s in enumerate(sessions):
+            if i % 256 == 255:
+                await asyncio.sleep(0)  # a long list must not hold the data plane's loop
+            blocks[(s.tenant, s.session_id)] = await self.blocks_of(
                 s.tenant, s.session_id, s, active_s=self.settings.relearn_idle_s
             )
-            for s in sessions
-        }
         kept = self._budget(es, sessions, blocks, now)
         horizon = self._horizon(es, now)
         plan = plan_touches(

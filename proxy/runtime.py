@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -89,7 +90,30 @@ class Runtime:
         if up.created:
             self.metrics.sessions_created.inc()
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
-        return Registration("accepted" + notes, up)
+        return Registration("accepted" + notes, self._with_buffered(tenant, hint, up))
+
+    def _with_buffered(self, tenant: str, hint: Hint, up: Upserted) -> Upserted:
+        """Newer facts of this process's still-buffered completions override Redis's."""
+        if self.completions is None:
+            return up
+        own = self.completions.latest(tenant, hint.session_id)
+        parent = (
+            self.completions.latest(tenant, hint.parent_session_id)
+            if hint.parent_session_id
+            else None
+        )
+        if own is None and parent is None:
+            return up
+        engine, last_active, last_prompt = up.engine, up.last_active, up.last_prompt_tokens
+        if own is not None and own[1] >= up.last_active:
+            engine, last_active, last_prompt = own
+        return dataclasses.replace(
+            up,
+            engine=engine,
+            parent_engine=parent[0] if parent is not None else up.parent_engine,
+            last_active=last_active,
+            last_prompt_tokens=last_prompt,
+        )
 
     def engine_order(
         self, upserted: Upserted | None, session: tuple[str, str] | None = None

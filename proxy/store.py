@@ -163,6 +163,25 @@ def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len
     )
 
 
+def _brief(row: list[Any]) -> Session:
+    """A session from ``protected.lua``'s row: tenant, then the ``_BRIEF`` fields in order."""
+    tenant, sid, state, engine, ttl, ttl_until, created, seen, used, touch, parent, lpt = row
+    return Session(
+        tenant=tenant.decode(),
+        session_id=sid.decode(),
+        state=state.decode() if state else "idle",
+        created=float(created or 0),
+        last_seen=float(seen or created or 0),
+        parent=parent.decode() if parent else None,
+        engine=engine.decode() if engine else None,
+        ttl=float(ttl or 0),
+        ttl_until=float(ttl_until or 0),
+        last_used=float(used or 0),
+        last_touch=float(touch or 0),
+        last_prompt_tokens=int(lpt or 0),
+    )
+
+
 def _text(value: Any) -> str:
     """Redis replies are bytes; decode one whatever the client's typing says."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -438,16 +457,7 @@ class SessionStore:
         args: list[str | int] = [repr(now), limit, self.ns, *_BRIEF]
         flat = await self._call(lambda: self.scripts.call("protected", keys, args))
         width = 1 + len(_BRIEF)
-        out: list[Session] = []
-        for i in range(0, len(flat), width):
-            tenant = _text(flat[i])
-            fields = {
-                f.encode(): v
-                for f, v in zip(_BRIEF, flat[i + 1 : i + width], strict=True)
-                if v is not None
-            }
-            out.append(_decode(tenant, fields, [], 0))
-        return out
+        return [_brief(flat[i : i + width]) for i in range(0, len(flat), width)]
 
     async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:
         """The session's block-hash list (packed 8-byte ints), for residency lookups."""

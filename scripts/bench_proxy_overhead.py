@@ -146,15 +146,27 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 # --- load ----------------------------------------------------------------------------------------
 async def load(
-    url: str, n: int, concurrency: int, headers: dict[str, str], hinted: bool
+    url: str,
+    n: int,
+    concurrency: int,
+    headers: dict[str, str],
+    hinted: bool,
+    rate: float | None = None,
 ) -> tuple[list[float], float]:
+    """``n`` requests from ``concurrency`` clients: back to back (closed loop), or paced so that
+    together they offer ``rate`` requests/s (each client on its own fixed schedule)."""
     lat: list[float] = []
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as s:
         queue = iter(range(n))
+        start = time.perf_counter()
 
         async def worker(w: int) -> None:
-            for i in queue:
+            for k, i in enumerate(queue):
+                if rate is not None:  # client w sends at start + (w + k * concurrency) / rate
+                    due = start + (w + k * concurrency) / rate
+                    if (wait := due - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)
                 body = BODY
                 if hinted:  # a few hundred sessions, each with a TTL, like an agent swarm
                     body = {
@@ -189,6 +201,12 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16,128")
     ap.add_argument("--router", default=shutil.which("vllm-router"), help="vllm-router executable")
+    ap.add_argument(
+        "--paced-rps",
+        type=float,
+        default=1000.0,
+        help="also run c=16 paced at this total rate (latency when the proxy is not saturated)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_overhead.json")
     args = ap.parse_args()
 
@@ -244,9 +262,14 @@ async def main() -> None:
         if router:
             await wait_http(f"http://127.0.0.1:{router_port}/health", 120)
         results: dict[str, dict[str, Any]] = {}
-        for c in (int(x) for x in args.concurrency.split(",")):
+        settings: list[tuple[str, int, float | None]] = [
+            (x, int(x), None) for x in args.concurrency.split(",")
+        ]
+        if args.paced_rps:
+            settings.append((f"16@{args.paced_rps:g}rps", 16, args.paced_rps))
+        for label, c, rate in settings:
             per: dict[str, dict[str, list[float]]] = {
-                t: {"lat": [], "rps": [], "cpu": []} for t in targets
+                t: {"lat": [], "rps": [], "cpu": [], "redis_cpu": []} for t in targets
             }
             for url, _, hinted in targets.values():  # warm-up
                 await load(url + "/v1/chat/completions", 200, c, {}, hinted)
@@ -255,15 +278,18 @@ async def main() -> None:
                 for name in order:
                     url, pid, hinted = targets[name]
                     cpu0 = cpu_seconds(pid) if pid else 0.0
+                    rcpu0 = cpu_seconds(redis.pid)
                     lat, wall = await load(
-                        url + "/v1/chat/completions", args.requests, c, {}, hinted
+                        url + "/v1/chat/completions", args.requests, c, {}, hinted, rate
                     )
                     cpu1 = cpu_seconds(pid) if pid else 0.0
+                    rcpu1 = cpu_seconds(redis.pid)
                     per[name]["lat"] += lat
                     per[name]["rps"].append(len(lat) / wall)
                     per[name]["cpu"].append((cpu1 - cpu0) / len(lat))
+                    per[name]["redis_cpu"].append((rcpu1 - rcpu0) / len(lat))
                     print(
-                        f"c={c} round {rnd + 1}/{args.rounds} {name}: {statistics.median(lat) * 1e3:.2f} ms p50",
+                        f"c={label} round {rnd + 1}/{args.rounds} {name}: {statistics.median(lat) * 1e3:.2f} ms p50",
                         file=sys.stderr,
                     )
             base = per["direct"]
@@ -280,8 +306,11 @@ async def main() -> None:
                     "cpu_us_per_request": statistics.median(d["cpu"]) * 1e6
                     if name != "direct"
                     else None,
+                    "redis_cpu_us_per_request": statistics.median(d["redis_cpu"]) * 1e6
+                    if name.startswith("kvkeeper")
+                    else None,
                 }
-            results[str(c)] = row
+            results[label] = row
         for row in results.values():
             hinted, plain = row["kvkeeper+hints"], row["kvkeeper"]
             row["_ratios"] = {
@@ -308,16 +337,18 @@ async def main() -> None:
 
 def render(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| concurrency | target | p50 ms | p99 ms | added p50 ms | added p99 ms | throughput vs direct | proxy CPU µs/req |",
-        "|---|---|---|---|---|---|---|---|",
+        "| concurrency | target | p50 ms | p99 ms | added p50 ms | added p99 ms | throughput vs direct | proxy CPU µs/req | + Redis CPU µs/req |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c, row in results.items():
         for name, d in row.items():
             if name.startswith("_"):
                 continue
             cpu = "-" if d["cpu_us_per_request"] is None else f"{d['cpu_us_per_request']:.0f}"
+            rcpu = d.get("redis_cpu_us_per_request")
+            rcpu_s = "-" if rcpu is None else f"{rcpu:.0f}"
             lines.append(
-                f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} |"
+                f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} | {rcpu_s} |"
             )
     for c, row in results.items():
         r = row["_ratios"]

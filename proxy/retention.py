@@ -395,18 +395,23 @@ class Retention:
         chosen = set(plan.touch) | self._urgent(es, sessions, kept, now)
         for key in chosen:
             session = by_key[key]
-            if self._lost(es, blocks[(session.tenant, session.session_id)]):
-                # the engine already evicted most of it: a touch would be a full re-prefill
-                # nobody asked for, competing with live traffic; the resume pays it if it comes
+            resident = self._resident(es, blocks[(session.tenant, session.session_id)])
+            if resident == 0:
+                # the engine already evicted it: a touch would be a full re-prefill nobody
+                # asked for, competing with live traffic; the resume pays it if it comes
                 self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
                 continue
-            self._spawn_touch(es, session)
+            self._spawn_touch(es, session, resident)
 
-    def _lost(self, es: EngineState, blocks: tuple[int, ...]) -> bool:
-        """With KV events: fewer than half of the session's blocks are still resident."""
+    def _resident(self, es: EngineState, blocks: tuple[int, ...]) -> int | None:
+        """With KV events: how many leading blocks of the session the engine still holds.
+
+        None when unknown (no events, or block ids not learned): touch the whole context.
+        """
         if es.subscriber is None or not blocks:
-            return False
-        return es.index.resident_prefix(blocks) * 2 < len(blocks)
+            return None
+        n = es.index.resident_prefix(blocks)
+        return None if n == len(blocks) else n
 
     def _urgent(
         self, es: EngineState, sessions: list[Session], kept: set[tuple[str, str]], now: float
@@ -508,10 +513,10 @@ class Retention:
         return everyone - overridden
 
     # --- touches and warm-ups ---------------------------------------------------------------------
-    def _spawn_touch(self, es: EngineState, session: Session) -> None:
+    def _spawn_touch(self, es: EngineState, session: Session, resident: int | None) -> None:
         key = (session.tenant, session.session_id)
         es.in_flight.add(key)
-        task = asyncio.create_task(self._touch(es, session))
+        task = asyncio.create_task(self._touch(es, session, resident))
         self._touches.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
@@ -520,9 +525,14 @@ class Retention:
 
         task.add_done_callback(done)
 
-    async def _touch(self, es: EngineState, session: Session) -> None:
+    async def _touch(self, es: EngineState, session: Session, resident: int | None) -> None:
+        """Refresh the session's prefix. Only its still-resident leading blocks are re-sent: the
+        evicted tail would be a re-prefill (the resume pays it if it comes), so a touch costs
+        at most its last partial block whatever LRU already took."""
         try:
-            result = await self.replay(es, session.tenant, session.session_id, warmup=False)
+            result = await self.replay(
+                es, session.tenant, session.session_id, warmup=False, limit_blocks=resident
+            )
         except (AdapterError, StoreDown, ValueError) as exc:
             self.metrics.touches.labels(es.engine.name, "failed").inc()
             log.warning("touch of %s failed: %s", session.session_id, exc)
@@ -544,7 +554,8 @@ class Retention:
         if blob is None:
             return None
         ctx = decode_context(blob)
-        offset = ctx.block_offset if limit_blocks is None else limit_blocks
+        limits = [n for n in (ctx.block_offset, limit_blocks) if n is not None]
+        offset = min(limits) if limits else None
         if offset is not None and ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
             tokens = await es.adapter.tokenize(ctx.route, ctx.body)
             tokens = tokens[: max(1, offset) * es.adapter.cache.block_size]

@@ -201,3 +201,29 @@ async def test_admin_operations(redis_server: RedisServer, namespace: str) -> No
         assert (await r.json())["status"] == "applied"
         s = await (await st.proxy.get("/admin/sessions/w", headers=admin)).json()
         assert s["state"] == "idle" and s["engine"] is None
+
+
+async def test_a_touch_resends_only_the_resident_prefix(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    # ticks far apart: this test drives the touches itself
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
+        hint = {"session_id": "part", "cache_control": {"type": "ephemeral", "ttl": 300}}
+        await st.complete(prompt(1), hint)
+        retention = st.runtime().retention
+        assert retention is not None
+        es = next(iter(retention.engines.values()))
+        await st.runtime().settle()
+        session = await retention.store.get("default", "part")
+        assert session is not None
+        blocks = await retention.blocks_of("default", "part", session)
+        assert len(blocks) == 63 and retention._resident(es, blocks) is None  # all resident
+        await retention._touch(es, session, 10)  # as if LRU had taken all but 10 blocks
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 10 * BLOCK
+        assert await st.metric("kvkeeper_touch_recomputed_tokens_total") <= BLOCK
+        await _flood(st)  # 8 x 63 blocks through a 200-block pool: nothing of it is left
+
+        async def gone() -> bool:
+            return retention._resident(es, blocks) == 0
+
+        assert await wait_for(gone), "the flood never evicted the session"

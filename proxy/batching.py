@@ -112,30 +112,39 @@ class ScriptBatcher:
             else:
                 fut.set_result(result)
 
-    async def _connection(self) -> AbstractConnection:
-        if self._conn is None or not self._conn.is_connected:
-            conn = self.redis.connection_pool.make_connection()  # type: ignore[no-untyped-call]
-            await conn.connect()
-            self._conn = conn
-        return self._conn
+    async def _connection(self) -> tuple[AbstractConnection, bool]:
+        """The batcher's connection, and whether it was opened just now."""
+        if self._conn is not None and self._conn.is_connected:
+            return self._conn, False
+        conn = self.redis.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+        await conn.connect()
+        self._conn = conn
+        return conn, True
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
         self.batches += 1
         self.calls += len(batch)
         data = b"".join(pack_command(self._head[s], 2, keys, args) for s, keys, args, _ in batch)
-        conn = await self._connection()
-        try:
-            await conn.send_packed_command(data, check_health=False)
+        while True:
+            conn, fresh = await self._connection()
             results: list[Any] = []
-            for _ in batch:
-                try:
-                    results.append(await conn.read_response())
-                except redis_errors.ResponseError as exc:  # this script's error, not the link's
-                    results.append(exc)
-            return results
-        except BaseException:
-            await conn.disconnect(nowait=True)  # replies may be left unread: never reuse it
-            raise
+            try:
+                await conn.send_packed_command(data, check_health=False)
+                for _ in batch:
+                    try:
+                        results.append(await conn.read_response())
+                    except redis_errors.ResponseError as exc:  # this script's, not the link's
+                        results.append(exc)
+                return results
+            except redis_errors.ConnectionError:
+                await conn.disconnect(nowait=True)
+                # a connection that went stale while idle (Redis restarted, idle timeout) fails
+                # before any reply: nothing ran, so the batch is sent once more on a new one
+                if fresh or results:
+                    raise
+            except BaseException:
+                await conn.disconnect(nowait=True)  # replies may be left unread: never reuse it
+                raise
 
     async def _load_scripts(self) -> None:
         """SCRIPT LOAD every script, on the batcher's own connection."""
@@ -143,7 +152,7 @@ class ScriptBatcher:
         data = b"".join(
             b"*3\r\n" + _bulk("SCRIPT") + _bulk("LOAD") + _bulk(self._source[n]) for n in names
         )
-        conn = await self._connection()
+        conn, _ = await self._connection()
         try:
             await conn.send_packed_command(data, check_health=False)
             for name in names:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -30,18 +31,23 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     rt = request.app[RUNTIME]
     tenant = rt.tenants.tenant_for(request.headers)
     parsed = parse_request(request.path, request.headers, await request.read(), rt.settings.limits)
-    hint, reg = parsed.hint, None
+    hint = parsed.hint
+    registering: asyncio.Task[Registration] | None = None
     if hint is not None:
         for dialect in hint.dialects:
             rt.metrics.child(rt.metrics.hints, dialect).inc()
         if hint.manage_request:
             return await _manage(rt, tenant, hint)
-        reg = await rt.register(tenant, hint)
-    outcome = None
-    if reg is not None:
-        outcome = reg.outcome + ("; edits=deferred" if hint and hint.edits else "")
+        # the Redis round trip runs while the request travels to the engine
+        registering = asyncio.create_task(rt.register(tenant, hint))
     session = (tenant, hint.session_id) if hint is not None else None
-    resp, engine, usage = await _forward(rt, request, parsed.body, reg, outcome, session)
+    try:
+        resp, engine, usage, reg = await _forward(
+            rt, request, parsed.body, registering, session, bool(hint and hint.edits)
+        )
+    finally:
+        if registering is not None and not registering.done():
+            rt.keep(registering)  # forwarding failed first: let the registration finish
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
         _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage)
     return resp
@@ -51,11 +57,15 @@ async def _forward(
     rt: Runtime,
     request: web.Request,
     body: bytes,
-    reg: Registration | None,
-    outcome: str | None,
+    registering: asyncio.Task[Registration] | None,
     session: tuple[str, str] | None,
-) -> tuple[web.StreamResponse, Engine, Usage | None]:
-    """Send the request to the chosen engine (failing over) and relay its answer."""
+    edits: bool,
+) -> tuple[web.StreamResponse, Engine, Usage | None, Registration | None]:
+    """Send the request to the chosen engine (failing over) and relay its answer.
+
+    A hinted request waits for its registration before choosing an engine only when there is a
+    choice to make; either way the outcome header needs it before the answer's headers go out.
+    """
     route = request.path
     request_id = request.headers.get("X-Request-Id") or os.urandom(16).hex()
     headers = upstream_headers(
@@ -64,10 +74,18 @@ async def _forward(
         api_key=rt.settings.upstream.api_key,
         drop_auth=rt.tenants.multi_tenant,
     )
+    reg = None
+    if registering is not None and len(rt.pool.engines) > 1:
+        reg = await registering
     order = rt.engine_order(reg.upserted if reg else None, session)
     sent_at = time.perf_counter()
     engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
     try:
+        if registering is not None and reg is None:
+            reg = await registering
+        outcome = None
+        if reg is not None:
+            outcome = reg.outcome + ("; edits=deferred" if edits else "")
         if upstream.status >= 400 and "json" not in upstream.content_type:
             detail = (await upstream.read())[:200].decode(errors="replace")
             raise UpstreamError(
@@ -90,7 +108,7 @@ async def _forward(
     if usage is not None:
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
-    return resp, engine, usage
+    return resp, engine, usage, reg
 
 
 async def _relay(

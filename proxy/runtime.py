@@ -54,7 +54,10 @@ class Runtime:
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run work off the hot path; keep a reference so it is not collected mid-flight."""
-        task = asyncio.create_task(coro)
+        self.keep(asyncio.create_task(coro))
+
+    def keep(self, task: asyncio.Task[Any]) -> None:
+        """Hold a started task until it ends (drained at shutdown, failures logged)."""
         self._tasks.add(task)
         task.add_done_callback(self._done)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -65,6 +66,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, **overrides)
 
 
+async def _freeze_startup_objects(app: web.Application) -> None:
+    """Move everything built at start-up out of the collector's reach: full collections then
+    only walk what requests allocate, which shortens the pauses they add to the data plane."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -77,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    app.on_startup.append(_freeze_startup_objects)
     engines = ", ".join(e.url for e in settings.engines)
     print(f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}", flush=True)
     try:  # uvloop: a faster event loop where available (Linux, macOS)

@@ -65,8 +65,26 @@ async def test_a_lost_connection_fails_the_batch_and_the_next_reconnects(namespa
         server.stop()
         with pytest.raises((redis_errors.ConnectionError, OSError)):
             await b.call("incr", [f"{namespace}:x"], [1])
-        RedisServer(port=server.port).start()
+        server = RedisServer(port=server.port).start()
         assert await b.call("incr", [f"{namespace}:x"], [1]) == 1  # a fresh Redis
     finally:
         await b.aclose()
         await redis.aclose()
+        server.stop()
+
+
+async def test_a_connection_gone_stale_while_idle_is_replaced_transparently(
+    namespace: str,
+) -> None:
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url, socket_timeout=0.5)
+    b = ScriptBatcher(redis, SCRIPTS)
+    try:
+        assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
+        server.stop()  # Redis restarts while the batcher's connection sits idle
+        server = RedisServer(port=server.port).start()
+        assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
+    finally:
+        await b.aclose()
+        await redis.aclose()
+        server.stop()

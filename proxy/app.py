@@ -16,6 +16,7 @@ from adapters.vllm import EventEndpoints, VLLMAdapter
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
 from proxy.completions import CompletionWriter
+from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
 from proxy.errors import error_middleware
@@ -100,6 +101,10 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         pool = EnginePool(settings.engines, client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
         rt.completions = CompletionWriter(store, on_drop=metrics.completions_dropped.inc)
+        if settings.retention.dispatch_ahead:
+            rt.dispatch = DispatchGate(
+                settings.retention.dispatch_ahead, settings.retention.dispatch_max_wait_s
+            )
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import re
 import time
 
 from aiohttp import ClientResponse, web
@@ -23,7 +25,10 @@ log = logging.getLogger("kvkeeper.routes")
 
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 HINT_HEADER = "X-KVKeeper-Hint"
-_BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in one write
+_BUFFER_LIMIT = 1 << 20
+_STREAMED = re.compile(
+    rb'"stream"\s*:\s*true'
+)  # non-streamed bodies up to this size are relayed in one write
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
@@ -78,8 +83,17 @@ async def _forward(
     if registering is not None and len(rt.pool.engines) > 1:
         reg = await registering
     order = rt.engine_order(reg.upserted if reg else None, session)
-    sent_at = time.perf_counter()
-    engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+    gate, ticket = rt.dispatch, None
+    if gate is not None and order:
+        cost = rt.uncached_estimate(order[0].name, len(body), session)
+        ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
+    try:
+        sent_at = time.perf_counter()
+        engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+    except BaseException:
+        if gate is not None and ticket is not None:
+            gate.leave(ticket)
+        raise
     try:
         if registering is not None and reg is None:
             reg = await registering
@@ -94,6 +108,8 @@ async def _forward(
                 code="upstream_error",
             )
         sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
+        if gate is not None and ticket is not None:
+            sniffer.on_first_byte = functools.partial(gate.started, ticket)
         resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
     except BaseException:  # client gone, cancelled or refused: drop the engine's connection now
         upstream.close()
@@ -101,11 +117,14 @@ async def _forward(
     finally:
         engine.inflight -= 1
         upstream.release()
+        if gate is not None and ticket is not None:
+            gate.leave(ticket)
     if sniffer.first_byte_at is not None:
         rt.metrics.child(rt.metrics.ttft, route).observe(sniffer.first_byte_at - sent_at)
     rt.metrics.child(rt.metrics.upstream_latency, route).observe(time.perf_counter() - sent_at)
     usage = sniffer.finish()
     if usage is not None:
+        rt.learn_size(len(body), usage.prompt_tokens)
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
     return resp, engine, usage, reg
@@ -129,7 +148,7 @@ async def _relay(
     if not sniffer.sse and size is not None and size <= _BUFFER_LIMIT:
         # a small complete body: one write for headers + body instead of two
         body = await upstream.read()
-        sniffer.first_byte_at = time.perf_counter()
+        sniffer.mark_first_byte()
         sniffer.feed(body)
         resp = web.Response(
             status=upstream.status, reason=upstream.reason, body=body, headers=headers
@@ -143,7 +162,7 @@ async def _relay(
     await stream.prepare(request)
     async for chunk in upstream.content.iter_any():
         if sniffer.first_byte_at is None:
-            sniffer.first_byte_at = time.perf_counter()
+            sniffer.mark_first_byte()
         sniffer.feed(chunk)
         await stream.write(chunk)
     # A client that closes as soon as it has read everything (after "data: [DONE]") makes

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from policy.routing import EngineCandidate, RouteRequest, route
 from proxy.auth import TenantMap
+from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor, UnsupportedEdits
 from proxy.hints import Hint
 from proxy.metrics import Metrics
@@ -48,6 +49,8 @@ class Runtime:
     edits: EditExecutor = field(default_factory=UnsupportedEdits)
     retention: Retention | None = None
     completions: CompletionWriter | None = None
+    dispatch: DispatchGate | None = None
+    bytes_per_token: float = 4.0  # request body bytes per prompt token, learned from usage
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
@@ -69,6 +72,26 @@ class Runtime:
     async def drain(self, grace_s: float = 5.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
+
+    def learn_size(self, body_bytes: int, prompt_tokens: int) -> None:
+        """Calibrate the body-size estimate of a prompt's tokens from the engine's usage."""
+        if prompt_tokens > 0 and body_bytes > 0:
+            self.bytes_per_token += 0.05 * (body_bytes / prompt_tokens - self.bytes_per_token)
+
+    def uncached_estimate(
+        self, engine: str, body_bytes: int, session: tuple[str, str] | None
+    ) -> float:
+        """Tokens ``engine`` would compute for this request: its size minus the session's
+        resident prefix (dispatch order; an estimate, never used for accounting)."""
+        total = body_bytes / max(self.bytes_per_token, 0.5)
+        if session is None or self.retention is None:
+            return total
+        es = self.retention.engines.get(engine)
+        blocks = self.retention.known_blocks(*session)
+        if es is None or not blocks:
+            return total
+        resident = es.index.resident_prefix(blocks) * es.adapter.cache.block_size
+        return max(0.0, total - resident)
 
     async def settle(self) -> None:
         """Write finished requests still buffered, so the next read sees them."""

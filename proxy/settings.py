@@ -108,6 +108,10 @@ class RetentionSettings(BaseModel):
     lease_ttl_s: float = Field(default=3.0, gt=0)
     # block ids of a protected session are re-learned (a tokenize) once it has paused this long
     relearn_idle_s: float = Field(default=1.0, ge=0)
+    # cache-aware dispatch (proxy/dispatch.py): at most this many streamed requests per engine
+    # dispatched and not yet started, the rest served fewest-uncached-tokens first (0 = off)
+    dispatch_ahead: int = Field(default=0, ge=0)
+    dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
     hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
     block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
 

@@ -8,6 +8,8 @@ and in SSE streams. Only lines that mention ``"usage"`` are parsed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from proxy import jsonio
@@ -81,6 +83,14 @@ class UsageSniffer:
         self._buf = bytearray()
         self.usage: Usage | None = None
         self.first_byte_at: float | None = None
+        self.on_first_byte: Callable[[], None] | None = None
+
+    def mark_first_byte(self) -> None:
+        """The engine's first body byte reached the proxy (once per response)."""
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
+            if self.on_first_byte is not None:
+                self.on_first_byte()
 
     def feed(self, chunk: bytes) -> None:
         if not self.enabled:

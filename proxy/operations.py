@@ -163,6 +163,9 @@ class SessionOps:
 
     async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
         detail: dict[str, Any] = {}
+        declined = await self._decline_warmup(es, session, edit)
+        if declined is not None:
+            return declined
         if es.tier is not None:
             tokens = await self._tokens(es, session, edit)
             if tokens:
@@ -183,6 +186,29 @@ class SessionOps:
                 session.tenant, session.session_id, time.time(), 0, state="idle"
             )
         return EditResult(edit, "applied", None, detail)
+
+    async def _decline_warmup(
+        self, es: EngineState, session: Session, edit: Edit
+    ) -> EditResult | None:
+        """Without a tier to load from, a warm-up re-prefills what the engine lost. Decline it
+        when nothing is lost, or when the lost part is more than ``prefetch_max_pool_share`` of
+        the pool: LRU would evict it (and others' prefixes) again before the resume."""
+        if es.tier is not None or es.subscriber is None or es.load is None:
+            return None
+        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
+        if edit.block_end is not None:
+            blocks = blocks[: edit.block_end]
+        if not blocks:
+            return None
+        missing = len(blocks) - es.index.resident_prefix(blocks)
+        detail = {"blocks": len(blocks), "missing_blocks": missing}
+        if missing == 0:
+            return EditResult(edit, "applied", None, {**detail, "already_resident": True})
+        limit = self.retention.settings.prefetch_max_pool_share * es.load.pool_blocks
+        if missing > limit:
+            detail["limit_blocks"] = int(limit)
+            return EditResult(edit, "rejected", "exceeds_prefetch_budget", detail)
+        return None
 
     async def _pin(self, es: EngineState, session: Session, edit: Edit, ttl_s: float) -> EditResult:
         await self.store.protect(

@@ -112,6 +112,8 @@ class RetentionSettings(BaseModel):
     # dispatched and not yet started, the rest served fewest-uncached-tokens first (0 = off)
     dispatch_ahead: int = Field(default=0, ge=0)
     dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
+    # a prefetch warm-up that would re-prefill more than this share of the pool is declined
+    prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)
     hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
     block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
 

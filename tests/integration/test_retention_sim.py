@@ -260,3 +260,26 @@ async def test_dispatch_gate_serves_resident_prefixes_first(
         gate = st.runtime().dispatch
         assert gate is not None and gate.held >= 2
         assert done.index("warm") < min(done.index("cold1"), done.index("cold2")), done
+
+
+async def test_prefetch_without_a_tier_warms_only_what_fits(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with sim_stack(redis_server.url, namespace) as st:  # 200-block pool, no tier
+        await st.complete(prompt(1), {"session_id": "w"})  # 63 blocks, not protected
+        await _known_blocks(st, "w")
+        retention = st.runtime().retention
+        assert retention is not None
+        es = next(iter(retention.engines.values()))
+        assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
+        result = (await st.manage("w", "prefetch"))["results"][0]
+        assert result["status"] == "applied" and result["detail"]["already_resident"] is True
+        await _flood(st)  # LRU takes all 63 blocks: re-prefilling them is 31% of the pool
+        result = (await st.manage("w", "prefetch"))["results"][0]
+        assert result["status"] == "rejected" and result["reason"] == "exceeds_prefetch_budget"
+        assert result["detail"]["missing_blocks"] == 63 and result["detail"]["limit_blocks"] == 50
+        assert await st.metric("kvkeeper_warmup_prompt_tokens_total") == 0  # nothing was sent
+
+
+async def _loaded(es) -> bool:  # type: ignore[no-untyped-def]
+    return es.load is not None

@@ -191,8 +191,9 @@ class SessionOps:
         self, es: EngineState, session: Session, edit: Edit
     ) -> EditResult | None:
         """Without a tier to load from, a warm-up re-prefills what the engine lost. Decline it
-        when nothing is lost, or when the lost part is more than ``prefetch_max_pool_share`` of
-        the pool: LRU would evict it (and others' prefixes) again before the resume."""
+        when the lost part is more than ``prefetch_max_pool_share`` of the pool: LRU would
+        evict it (and others' prefixes) again before the resume. (A resident prefix is still
+        warmed: that costs one partial block and moves it to LRU's safe end.)"""
         if es.tier is not None or es.subscriber is None or es.load is None:
             return None
         blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
@@ -202,8 +203,6 @@ class SessionOps:
             return None
         missing = len(blocks) - es.index.resident_prefix(blocks)
         detail = {"blocks": len(blocks), "missing_blocks": missing}
-        if missing == 0:
-            return EditResult(edit, "applied", None, {**detail, "already_resident": True})
         limit = self.retention.settings.prefetch_max_pool_share * es.load.pool_blocks
         if missing > limit:
             detail["limit_blocks"] = int(limit)

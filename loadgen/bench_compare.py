@@ -5,6 +5,8 @@ Targets (``--targets``, default: every one that applies):
 * ``engine``: straight to the engine: vanilla vLLM LRU (one replica only);
 * ``none`` / ``session`` / ``full``: through kvkeeper, the client sending that hint mode
   (:mod:`loadgen.workloads.hints`);
+* ``full+dispatch``: ``full``, with kvkeeper's cache-aware dispatch on (``dispatch_ahead`` 2,
+  :mod:`proxy.dispatch`): the engine's queue kept short, fewest uncached tokens first;
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -58,9 +60,16 @@ from loadgen.workloads.hints import HintMode, HintPolicy
 if TYPE_CHECKING:
     from loadgen.bench_cli import Subparsers
 
-HINTED: dict[str, HintMode] = {"none": "none", "session": "session", "full": "full"}
+HINTED: dict[str, HintMode] = {
+    "none": "none",
+    "session": "session",
+    "full": "full",
+    "full+dispatch": "full",
+}
+# kvkeeper settings a target adds to the run's own (``--retention``)
+TARGET_RETENTION: dict[str, dict[str, Any]] = {"full+dispatch": {"dispatch_ahead": 2}}
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
-TARGETS = ("engine", "none", "session", "full", "round-robin", "vllm-router")
+TARGETS = ("engine", "none", "session", "full", "full+dispatch", "round-robin", "vllm-router")
 EXTRA_COUNTERS = (
     "kvkeeper_touches_total",
     "kvkeeper_expiries_total",
@@ -152,7 +161,11 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
         ) as url:
             yield url
     else:
-        retention = {"block_size": spec.sim.block_size, **spec.retention}
+        retention = {
+            "block_size": spec.sim.block_size,
+            **TARGET_RETENTION.get(name, {}),
+            **spec.retention,
+        }
         usable = [s for s in sims if s.events_endpoint] if spec.engine_urls else sims
         async with (
             start_redis(logs) as redis_url,

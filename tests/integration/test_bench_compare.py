@@ -53,8 +53,9 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
 @pytest.mark.parametrize(
     ("requested", "replicas", "router", "expected"),
     [
-        ((), 1, None, [("engine", None), ("none", None), ("session", None), ("full", None)]),
-        ((), 2, "/x", [("none", None), ("session", None), ("full", None),
+        ((), 1, None, [("engine", None), ("none", None), ("session", None), ("full", None),
+                        ("full+dispatch", None)]),
+        ((), 2, "/x", [("none", None), ("session", None), ("full", None), ("full+dispatch", None),
                        ("round-robin", None), ("vllm-router", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The summary table of BENCHMARKS.md's simulator section, from ``bench_sim_compare.sh`` results.
+
+    python scripts/sim_compare_summary.py [results/sim_compare]
+
+One row per setting and ``full`` / ``full+dispatch`` / ``vllm-router`` target: hit rate against the baseline (``engine``;
+``round-robin`` with two replicas) and the realized ceilings, the share of the LRU-to-Belady gap
+closed, mean / p90 TTFT against the baseline, and retention overhead. Also the run-to-run noise
+of the setting: ``none`` minus the baseline (kvkeeper without hints sends the same requests).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ORDER = (
+    "trace-n8-p25",
+    "trace-n8-p50",
+    "trace-n16-p25",
+    "trace-n16-p50",
+    "swarm-p50",
+    "fanout-p50",
+    "swarm-r2-p50",
+)
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 100:+.1f}%" if signed else f"{x * 100:.1f}%"
+
+
+def rows(root: Path) -> list[str]:
+    out = [
+        "| setting | target | C / W blocks | base hit | hit | realized LRU / Belady / inf "
+        "| gap closed | noise: none - base hit | TTFT mean vs base | TTFT p90 vs base "
+        "| retention sent / recomputed share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ORDER:
+        path = root / name / "compare.json"
+        if not path.exists():
+            continue
+        doc: dict[str, Any] = json.loads(path.read_text())
+        targets = doc["targets"]
+        base_name = "engine" if "engine" in targets else "round-robin"
+        base = targets.get(base_name)
+        if base is None:
+            continue
+        real = doc["ceilings"]["realized"]
+        planned = doc["ceilings"]["planned"]
+        noise = (
+            (targets["none"]["hit_rate"] - base["hit_rate"]) * 100 if "none" in targets else None
+        )
+        for tname in ("full", "full+dispatch", "vllm-router"):
+            t = targets.get(tname)
+            if t is None:
+                continue
+            gap = real["belady"] - base["hit_rate"]
+            closed = (t["hit_rate"] - base["hit_rate"]) / gap if gap > 0 else None
+            out.append(
+                f"| {name} | {tname} | {real['C']:,} / {planned['peak_ws']:,} "
+                f"| {_pct(base['hit_rate'])} | {_pct(t['hit_rate'])} "
+                f"| {_pct(real['lru'])} / {_pct(real['belady'])} / {_pct(real['inf'])} "
+                f"| {_pct(closed)} | {'-' if noise is None else f'{noise:+.1f} pp'} "
+                f"| {_pct(t['ttft_mean_vs_base'], True)} | {_pct(t['ttft_p90_vs_base'], True)} "
+                f"| {_pct(t['retention_prompt_share'])} / {_pct(t['retention_recomputed_share'])} |"
+            )
+    return out
+
+
+def main() -> None:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/sim_compare")
+    print("\n".join(rows(root)))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from redis import exceptions as redis_errors
@@ -18,12 +20,21 @@ SCRIPTS = {
 }
 
 
+@contextlib.asynccontextmanager
+async def batcher(url: str) -> AsyncIterator[ScriptBatcher]:
+    redis = Redis.from_url(url, socket_timeout=0.5)
+    b = ScriptBatcher(redis, SCRIPTS)
+    try:
+        yield b
+    finally:
+        await b.aclose()
+        await redis.aclose()
+
+
 async def test_concurrent_calls_share_round_trips_and_keep_their_order(
     redis_server: RedisServer, namespace: str
 ) -> None:
-    redis = Redis.from_url(redis_server.url)
-    b = ScriptBatcher(redis, SCRIPTS)
-    try:
+    async with batcher(redis_server.url) as b:
         key = f"{namespace}:n"
         await b.call("incr", [key], [0])  # loads the scripts (NOSCRIPT, then a retry)
         calls, batches = b.calls, b.batches
@@ -38,38 +49,27 @@ async def test_concurrent_calls_share_round_trips_and_keep_their_order(
         )
         assert echo == ["s\u00e9".encode(), b"\x00\xff", b"7", b"1.5", 2]
         assert isinstance(fail, redis_errors.ResponseError) and "bad thing" in str(fail)
-    finally:
-        await b.aclose()
-        await redis.aclose()
 
 
 async def test_scripts_reload_after_redis_forgets_them(
     redis_server: RedisServer, namespace: str
 ) -> None:
-    redis = Redis.from_url(redis_server.url)
-    b = ScriptBatcher(redis, SCRIPTS)
-    try:
-        await redis.script_flush()
+    async with batcher(redis_server.url) as b:
+        await b.redis.script_flush()
         assert await b.call("incr", [f"{namespace}:m"], [5]) == 5
-    finally:
-        await b.aclose()
-        await redis.aclose()
 
 
 async def test_a_lost_connection_fails_the_batch_and_the_next_reconnects(namespace: str) -> None:
     server = RedisServer().start()
-    redis = Redis.from_url(server.url, socket_timeout=0.5)
-    b = ScriptBatcher(redis, SCRIPTS)
     try:
-        assert await b.call("incr", [f"{namespace}:x"], [1]) == 1
-        server.stop()
-        with pytest.raises((redis_errors.ConnectionError, OSError)):
-            await b.call("incr", [f"{namespace}:x"], [1])
-        server = RedisServer(port=server.port).start()
-        assert await b.call("incr", [f"{namespace}:x"], [1]) == 1  # a fresh Redis
+        async with batcher(server.url) as b:
+            assert await b.call("incr", [f"{namespace}:x"], [1]) == 1
+            server.stop()
+            with pytest.raises((redis_errors.ConnectionError, OSError)):
+                await b.call("incr", [f"{namespace}:x"], [1])
+            server = RedisServer(port=server.port).start()
+            assert await b.call("incr", [f"{namespace}:x"], [1]) == 1  # a fresh Redis
     finally:
-        await b.aclose()
-        await redis.aclose()
         server.stop()
 
 
@@ -77,14 +77,11 @@ async def test_a_connection_gone_stale_while_idle_is_replaced_transparently(
     namespace: str,
 ) -> None:
     server = RedisServer().start()
-    redis = Redis.from_url(server.url, socket_timeout=0.5)
-    b = ScriptBatcher(redis, SCRIPTS)
     try:
-        assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
-        server.stop()  # Redis restarts while the batcher's connection sits idle
-        server = RedisServer(port=server.port).start()
-        assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
+        async with batcher(server.url) as b:
+            assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
+            server.stop()  # Redis restarts while the batcher's connection sits idle
+            server = RedisServer(port=server.port).start()
+            assert await b.call("incr", [f"{namespace}:y"], [1]) == 1
     finally:
-        await b.aclose()
-        await redis.aclose()
         server.stop()

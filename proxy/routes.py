@@ -25,10 +25,8 @@ log = logging.getLogger("kvkeeper.routes")
 
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 HINT_HEADER = "X-KVKeeper-Hint"
-_BUFFER_LIMIT = 1 << 20
-_STREAMED = re.compile(
-    rb'"stream"\s*:\s*true'
-)  # non-streamed bodies up to this size are relayed in one write
+_BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in one write
+_STREAMED = re.compile(rb'"stream"\s*:\s*true')  # the dispatch gate holds streamed requests only
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:

@@ -8,12 +8,13 @@ One command (about 6-9 minutes on a 2-core box):
 It starts vLLM-on-CPU (SmolLM2-135M, 200 blocks of 32 tokens, KV events; the engine the
 ``realengine`` suite uses) unless ``--engine-url`` names a running one, then plays ONE workload
 (``swarm``: supervisor + specialised agents whose anchors every user session shares, Pareto tool
-pauses, a working set ~1.8x the pool) three times, each from a reset prefix cache:
+pauses, a working set ~1.8x the pool) once per target, each from a reset prefix cache:
 
 * ``engine``: straight to vLLM (its own LRU);
 * ``none``: through kvkeeper (a ``kvkeeper serve`` child process + its own redis-server), no hints;
 * ``full``: through kvkeeper with the hints an agent framework would send (session, parent,
-  ``agent_hint.cache_control.ttl`` across each tool pause, prefetch before resumes, evict at end).
+  ``agent_hint.cache_control.ttl`` across each tool pause, prefetch before resumes, evict at end);
+* ``full+dispatch``: ``full`` with kvkeeper's cache-aware dispatch on (``proxy/dispatch.py``).
 
 The plays are :func:`loadgen.bench_compare.run_compare` (which also computes the workload's LRU /
 Belady / infinite-cache ceilings at the pool's capacity). This script adds the real-engine
@@ -70,7 +71,7 @@ PARAMS: dict[str, Any] = {
     "pause_cap": 15.0,
     "output_tokens": 48,
 }
-TARGETS = ("engine", "none", "full")
+TARGETS = ("engine", "none", "full", "full+dispatch")
 BEGIN = "<!-- realengine-bench:begin -->"
 END = "<!-- realengine-bench:end -->"
 
@@ -214,7 +215,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['engine']['block_size']}-token blocks, KV events on. Workload `{WORKLOAD}` "
         f"({json.dumps(report['params'])}): {report['workload']['calls']} calls, "
         f"{report['workload']['prompt_tokens']:,} prompt tokens, peak working set "
-        f"{ceil['planned']['peak_ws']} blocks. The three targets ran one after another in one "
+        f"{ceil['planned']['peak_ws']} blocks. The {len(figs)} targets ran one after another in one "
         f"run ({report['date']}), each from a reset prefix cache; the machine is a shared 2-core "
         "box, so TTFT ratios carry noise from other jobs.",
         "",

@@ -94,9 +94,14 @@ class ScriptBatcher:
     async def _run(self, batch: list[_Call]) -> None:
         try:
             results = await self._execute(batch)
-            if any(isinstance(r, redis_errors.NoScriptError) for r in results):
+            missing = [
+                i for i, r in enumerate(results) if isinstance(r, redis_errors.NoScriptError)
+            ]
+            if missing:  # load the scripts, then run again only the calls that did not run
                 await self._load_scripts()
-                results = await self._execute(batch)
+                again = await self._execute([batch[i] for i in missing])
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
         except BaseException as exc:  # cancelled too: the callers must not wait forever
             for *_, fut in batch:
                 if not fut.done():

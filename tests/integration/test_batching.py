@@ -57,6 +57,14 @@ async def test_scripts_reload_after_redis_forgets_them(
     async with batcher(redis_server.url) as b:
         await b.redis.script_flush()
         assert await b.call("incr", [f"{namespace}:m"], [5]) == 5
+        # only some scripts gone: the calls that ran are not run twice
+        await b.redis.script_flush()
+        await b.redis.script_load(SCRIPTS["incr"])
+        got = await asyncio.gather(
+            b.call("incr", [f"{namespace}:m"], [1]), b.call("echo", ["k"], ["a", "b", "c", "d"])
+        )
+        assert got == [6, [b"a", b"b", b"c", b"d", 1]]
+        assert await b.redis.get(f"{namespace}:m") == b"6"
 
 
 async def test_a_lost_connection_fails_the_batch_and_the_next_reconnects(namespace: str) -> None:

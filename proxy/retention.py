@@ -153,6 +153,7 @@ class EngineState:
     leader_token: int = 0
     in_flight: set[tuple[str, str]] = field(default_factory=set)
     overridden: set[tuple[str, str]] = field(default_factory=set)
+    lost: set[tuple[str, str]] = field(default_factory=set)  # protected, but nothing resident
     last_scrape: float = 0.0
     last_horizon_s: float = math.inf
     horizon_source: str = "unknown"
@@ -393,15 +394,20 @@ class Retention:
         )
         by_key = {_key(s.tenant, s.session_id): s for s in sessions}
         chosen = set(plan.touch) | self._urgent(es, sessions, kept, now)
+        lost: set[tuple[str, str]] = set()
         for key in chosen:
             session = by_key[key]
-            resident = self._resident(es, blocks[(session.tenant, session.session_id)])
+            sk = (session.tenant, session.session_id)
+            resident = self._resident(es, blocks[sk])
             if resident == 0:
                 # the engine already evicted it: a touch would be a full re-prefill nobody
                 # asked for, competing with live traffic; the resume pays it if it comes
-                self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
+                lost.add(sk)
+                if sk not in es.lost:  # counted once per loss, not once per tick
+                    self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
                 continue
             self._spawn_touch(es, session, resident)
+        es.lost = lost
 
     def _resident(self, es: EngineState, blocks: tuple[int, ...]) -> int | None:
         """With KV events: how many leading blocks of the session the engine still holds.

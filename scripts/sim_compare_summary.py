@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The summary table of BENCHMARKS.md's simulator section, from ``bench_sim_compare.sh`` results.
 
-    python scripts/sim_compare_summary.py [results/sim_compare]
+    python scripts/sim_compare_summary.py [results/sim_compare] [--per-setting]
 
 One row per setting and ``full`` / ``full+dispatch`` / ``vllm-router`` target: hit rate against the baseline (``engine``;
 ``round-robin`` with two replicas) and the realized ceilings, the share of the LRU-to-Belady gap
@@ -16,15 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ORDER = (
-    "trace-n8-p25",
-    "trace-n8-p50",
-    "trace-n16-p25",
-    "trace-n16-p50",
-    "swarm-p50",
-    "fanout-p50",
-    "swarm-r2-p50",
-)
+TITLES = {
+    "trace-n8-p25": "Claude Code traces, 8 sessions, pool 25% of W",
+    "trace-n8-p50": "Claude Code traces, 8 sessions, pool 50% of W",
+    "trace-n16-p25": "Claude Code traces, 16 sessions, pool 25% of W",
+    "trace-n16-p50": "Claude Code traces, 16 sessions, pool 50% of W",
+    "swarm-p50": "swarm (CacheScout setting), one replica, pool 50% of W",
+    "fanout-p50": "fanout (the RFC's fan-out/join), one replica, pool 50% of W",
+    "swarm-r2-p50": "swarm, two replicas (pool 50% of W split over them)",
+}
+ORDER = tuple(TITLES)
 
 
 def _pct(x: float | None, signed: bool = False) -> str:
@@ -72,9 +73,31 @@ def rows(root: Path) -> list[str]:
     return out
 
 
+def per_setting(root: Path) -> list[str]:
+    """Each setting's ``compare.md`` under its BENCHMARKS.md heading."""
+    out: list[str] = []
+    for name in ORDER:
+        path = root / name / "compare.md"
+        if not path.exists():
+            continue
+        doc = json.loads((root / name / "compare.json").read_text())
+        real, planned = doc["ceilings"]["realized"], doc["ceilings"]["planned"]
+        body = path.read_text().strip().splitlines()[1:]  # its own title line is ours here
+        out += [
+            f"#### {TITLES[name]}",
+            "",
+            f"`results/sim_compare/{name}/` (C = {real['C']:,} blocks, W = {planned['peak_ws']:,}):",
+            *body,
+            "",
+        ]
+    return out
+
+
 def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/sim_compare")
-    print("\n".join(rows(root)))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    root = Path(args[0] if args else "results/sim_compare")
+    lines = per_setting(root) if "--per-setting" in sys.argv else rows(root)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ import time
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
+from policy.prefix_index import hash_chain
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
-from proxy.runtime import RUNTIME, Registration, Runtime
+from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
 from proxy.usage import UsageSniffer
@@ -80,7 +81,10 @@ async def _forward(
     reg = None
     if registering is not None and len(rt.pool.engines) > 1:
         reg = await registering
-    order = rt.engine_order(reg.upserted if reg else None, session)
+    chain: list[bytes] = []
+    if len(rt.pool.engines) > 1:
+        chain = hash_chain(body, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
+    order = rt.engine_order(reg.upserted if reg else None, session, chain)
     gate, ticket = rt.dispatch, None
     if gate is not None and order:
         cost = rt.uncached_estimate(order[0].name, len(body), session)
@@ -88,6 +92,8 @@ async def _forward(
     try:
         sent_at = time.perf_counter()
         engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+        if chain:
+            rt.prefixes.insert(engine.name, chain)
     except BaseException:
         if gate is not None and ticket is not None:
             gate.leave(ticket)

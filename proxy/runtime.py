@@ -8,12 +8,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from policy.prefix_index import PrefixIndex
 from policy.routing import EngineCandidate, RouteRequest, route
 from proxy.auth import TenantMap
 from proxy.dispatch import DispatchGate
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
+
+PREFIX_CHUNK_BYTES = 1024  # prompt chunk of the prefix index (about 170-250 tokens)
+PREFIX_MAX_CHUNKS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class Runtime:
     retention: Retention | None = None
     completions: CompletionWriter | None = None
     dispatch: DispatchGate | None = None
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prompt chunks sent per engine
     bytes_per_token: float = 4.0  # request body bytes per prompt token, learned from usage
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -142,22 +147,31 @@ class Runtime:
         )
 
     def engine_order(
-        self, upserted: Upserted | None, session: tuple[str, str] | None = None
+        self,
+        upserted: Upserted | None,
+        session: tuple[str, str] | None = None,
+        chain: Sequence[bytes] = (),
     ) -> list[Engine]:
         """The engines to try, best first.
 
-        A known session is placed by ``policy.routing``: its affinity, its parent's engine, the
-        replica holding the longest resident prefix of its blocks, and load. Anything else goes
-        to the least loaded engine, round robin on ties.
+        With several engines and the retention layer, ``policy.routing`` places the request:
+        the session's affinity, its parent's engine, the replica holding the longest prefix of
+        it (the session's resident blocks from the residency index, or the request's own
+        ``chain`` of prompt-chunk hashes in the prefix index: how the first request of a new
+        session finds the replica that already holds its shared system prompt), and load.
+        Otherwise: a known session's engine, its parent's, then the least loaded, round robin
+        on ties.
         """
         engines = self.pool.engines
         start = next(self._rr) % len(engines)
         rotated = engines[start:] + engines[:start]
         ranked = sorted(rotated, key=lambda e: (not e.healthy, e.inflight))
-        if upserted is None or len(engines) == 1:
+        if len(engines) == 1:
             return ranked
-        if self.retention is not None and session is not None:
-            return self._placed(upserted, session, ranked)
+        if self.retention is not None and (upserted is not None or chain):
+            return self._placed(upserted, session, ranked, chain)
+        if upserted is None:
+            return ranked
         preferred: list[Engine] = []
         for name in (upserted.engine, upserted.parent_engine):
             eng = self.pool.get(name)
@@ -166,14 +180,22 @@ class Runtime:
         return preferred + [e for e in ranked if e not in preferred]
 
     def _placed(
-        self, upserted: Upserted, session: tuple[str, str], ranked: list[Engine]
+        self,
+        upserted: Upserted | None,
+        session: tuple[str, str] | None,
+        ranked: list[Engine],
+        chain: Sequence[bytes],
     ) -> list[Engine]:
         assert self.retention is not None
-        blocks = self.retention.known_blocks(*session)
+        blocks = self.retention.known_blocks(*session) if session is not None else ()
+        block_size = self.retention.engines[ranked[0].name].adapter.cache.block_size
+        chunk_blocks = PREFIX_CHUNK_BYTES / max(self.bytes_per_token, 0.5) / block_size
         candidates = []
         for engine in ranked:
             es = self.retention.engines[engine.name]
             load = es.load
+            resident = es.index.resident_prefix(blocks) if blocks else 0
+            seen = int(self.prefixes.match(engine.name, chain) * chunk_blocks)
             candidates.append(
                 EngineCandidate(
                     name=engine.name,
@@ -181,15 +203,18 @@ class Runtime:
                     kv_cache_usage=(load.kv_cache_usage or 0.0) if load else 0.0,
                     waiting=(load.waiting or 0.0) if load else 0.0,
                     running=max(float(engine.inflight), (load.running or 0.0) if load else 0.0),
-                    resident_prefix_blocks=es.index.resident_prefix(blocks) if blocks else 0,
+                    resident_prefix_blocks=max(resident, seen),
                 )
             )
+        known = upserted is not None and (upserted.engine or upserted.parent_engine)
+        if not known and not any(c.resident_prefix_blocks for c in candidates):
+            return ranked  # nothing ties it to a replica: least loaded, round robin on ties
         decision = route(
             candidates,
             RouteRequest(
-                prompt_blocks=len(blocks),
-                affinity=upserted.engine,
-                parent_engine=upserted.parent_engine,
+                prompt_blocks=max(len(blocks), int(len(chain) * chunk_blocks)),
+                affinity=upserted.engine if upserted else None,
+                parent_engine=upserted.parent_engine if upserted else None,
             ),
         )
         order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]

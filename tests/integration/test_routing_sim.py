@@ -57,3 +57,9 @@ async def test_sessions_stay_children_follow_and_unhinted_spread(
             assert engine == lead_engine and cached(answer) >= 1984
         engines = {(await send(prompt(100 + i)))[0] for i in range(6)}
         assert len(engines) == 2  # requests without a session spread over both replicas
+        # new sessions (or none) whose prompts share a long prefix follow the replica that has it
+        first, _ = await send(prompt(500) + [3] * 10, {"session_id": "n0"})
+        for i in range(1, 5):
+            hint = {"session_id": f"n{i}"} if i % 2 else None
+            engine, answer = await send(prompt(500) + [3 + i] * 10, hint)
+            assert engine == first and cached(answer) >= 1984

@@ -209,12 +209,17 @@ class Runtime:
         known = upserted is not None and (upserted.engine or upserted.parent_engine)
         if not known and not any(c.resident_prefix_blocks for c in candidates):
             return ranked  # nothing ties it to a replica: least loaded, round robin on ties
+        # Where the request's own prompt was seen, that is where its KV is: a session's or its
+        # parent's engine stand in only when no replica has seen any of it. (An agent session
+        # that calls several tools or sub-agents with different system prompts has different
+        # prefixes on different replicas; pinning it to one would duplicate shared prompts.)
+        by_prompt = any(c.resident_prefix_blocks for c in candidates)
         decision = route(
             candidates,
             RouteRequest(
                 prompt_blocks=max(len(blocks), int(len(chain) * chunk_blocks)),
-                affinity=upserted.engine if upserted else None,
-                parent_engine=upserted.parent_engine if upserted else None,
+                affinity=None if by_prompt or upserted is None else upserted.engine,
+                parent_engine=None if by_prompt or upserted is None else upserted.parent_engine,
             ),
         )
         order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]

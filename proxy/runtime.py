@@ -194,8 +194,13 @@ class Runtime:
         for engine in ranked:
             es = self.retention.engines[engine.name]
             load = es.load
-            resident = es.index.resident_prefix(blocks) if blocks else 0
-            seen = int(self.prefixes.match(engine.name, chain) * chunk_blocks)
+            # The request's own prompt chain is the evidence when there is one: the session's
+            # learned blocks are its previous context, which this call may not extend (an
+            # agent session calling a sub-agent with another system prompt).
+            if chain:
+                resident = int(self.prefixes.match(engine.name, chain) * chunk_blocks)
+            else:
+                resident = es.index.resident_prefix(blocks) if blocks else 0
             candidates.append(
                 EngineCandidate(
                     name=engine.name,
@@ -203,7 +208,7 @@ class Runtime:
                     kv_cache_usage=(load.kv_cache_usage or 0.0) if load else 0.0,
                     waiting=(load.waiting or 0.0) if load else 0.0,
                     running=max(float(engine.inflight), (load.running or 0.0) if load else 0.0),
-                    resident_prefix_blocks=max(resident, seen),
+                    resident_prefix_blocks=resident,
                 )
             )
         known = upserted is not None and (upserted.engine or upserted.parent_engine)

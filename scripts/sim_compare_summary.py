@@ -3,10 +3,12 @@
 
     python scripts/sim_compare_summary.py [results/sim_compare] [--per-setting]
 
-One row per setting and ``full`` / ``full+dispatch`` / ``vllm-router`` target: hit rate against the baseline (``engine``;
-``round-robin`` with two replicas) and the realized ceilings, the share of the LRU-to-Belady gap
+One row per setting and ``full`` / ``full+dispatch`` target (two replicas: also ``none`` and
+``vllm-router``): hit rate against the baseline (``engine``; ``round-robin`` with two replicas)
+and the realized ceilings, the share of the LRU-to-Belady gap
 closed, mean / p90 TTFT against the baseline, and retention overhead. Also the run-to-run noise
-of the setting: ``none`` minus the baseline (kvkeeper without hints sends the same requests).
+of a one-replica setting: ``none`` minus ``engine`` (kvkeeper without hints sends the same
+requests); with two replicas ``none`` is kvkeeper's own placement and gets its own row.
 """
 
 from __future__ import annotations
@@ -53,10 +55,18 @@ def rows(root: Path) -> list[str]:
             continue
         real = doc["ceilings"]["realized"]
         planned = doc["ceilings"]["planned"]
+        # one replica: `none` sends what `engine` sends, so their difference is noise; with two,
+        # `none` is kvkeeper's own placement against round robin, and gets a row of its own
+        one = base_name == "engine"
         noise = (
-            (targets["none"]["hit_rate"] - base["hit_rate"]) * 100 if "none" in targets else None
+            (targets["none"]["hit_rate"] - base["hit_rate"]) * 100
+            if one and "none" in targets
+            else None
         )
-        for tname in ("full", "full+dispatch", "vllm-router"):
+        names = (
+            ("full", "full+dispatch") if one else ("none", "full", "full+dispatch", "vllm-router")
+        )
+        for tname in names:
             t = targets.get(tname)
             if t is None:
                 continue

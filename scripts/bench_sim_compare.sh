@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every simulator figure of BENCHMARKS.md ("Simulator: kvkeeper bench compare"), in one command:
-#   bash scripts/bench_sim_compare.sh [OUT_DIR]        (default results/sim_compare; ~35 min on 2 cores)
+#   bash scripts/bench_sim_compare.sh [OUT_DIR]        (default results/sim_compare; ~85 min on 2 cores)
 # Each `kvkeeper bench compare` starts a fresh simulator per target (h100-llama8b timing), and
 # kvkeeper (with its own redis-server) or vllm-router in front, as subprocesses.
 # ONLY=trace-n8-p25,swarm-p50 runs a subset of the settings.

@@ -181,15 +181,26 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
             yield url
 
 
-async def _scrape(url: str) -> dict[str, float]:
+async def _scrape(url: str, keep: Path | None = None) -> dict[str, float]:
+    """kvkeeper's counters for the report; the whole exposition is kept in ``keep``."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
             http.get(url + "/metrics") as resp,
         ):
-            return parse_counters(await resp.text(), EXTRA_COUNTERS) if resp.status == 200 else {}
+            if resp.status != 200:
+                return {}
+            text = await resp.text()
     except (aiohttp.ClientError, TimeoutError):
         return {}
+    if keep is not None:
+        _write_text(keep, text)
+    return parse_counters(text, EXTRA_COUNTERS)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str) -> TargetRun:
@@ -200,7 +211,8 @@ async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str)
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
         result = await run_workload(workload, target, options, label=name)
-        counters = await _scrape(url) if name in HINTED else {}
+        keep = spec.out / "logs" / f"{name}-metrics.txt"
+        counters = await _scrape(url, keep) if name in HINTED else {}
     result.save(spec.out / f"{name}.json")
     return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0)
 

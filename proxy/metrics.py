@@ -57,6 +57,9 @@ class Metrics:
         self.cached_tokens = Counter(
             "kvkeeper_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
+        self.engine_requests = Counter(
+            "kvkeeper_engine_requests", "Requests forwarded, by engine", ["engine"], registry=r
+        )
         self.upstream_errors = Counter(
             "kvkeeper_upstream_errors", "Failed upstream attempts", ["engine", "kind"], registry=r
         )

@@ -92,6 +92,7 @@ async def _forward(
     try:
         sent_at = time.perf_counter()
         engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+        rt.metrics.child(rt.metrics.engine_requests, engine.name).inc()
         if chain:
             rt.prefixes.insert(engine.name, chain)
     except BaseException:

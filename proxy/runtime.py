@@ -211,14 +211,17 @@ class Runtime:
                     resident_prefix_blocks=resident,
                 )
             )
+        # With a prompt chain, the chain is the evidence: where the request's own prompt was
+        # seen, that is where its KV is, and a prompt no replica has seen goes to the least
+        # loaded one. A session's or its parent's engine stand in only without a chain. (An
+        # agent session calling sub-agents with different system prompts has different
+        # prefixes on different replicas: pinning each new prompt to the session's replica
+        # piled every shared prompt, and then all traffic, onto one replica.)
+        seen = any(c.resident_prefix_blocks for c in candidates)
         known = upserted is not None and (upserted.engine or upserted.parent_engine)
-        if not known and not any(c.resident_prefix_blocks for c in candidates):
+        if not seen and (chain or not known):
             return ranked  # nothing ties it to a replica: least loaded, round robin on ties
-        # Where the request's own prompt was seen, that is where its KV is: a session's or its
-        # parent's engine stand in only when no replica has seen any of it. (An agent session
-        # that calls several tools or sub-agents with different system prompts has different
-        # prefixes on different replicas; pinning it to one would duplicate shared prompts.)
-        by_prompt = any(c.resident_prefix_blocks for c in candidates)
+        by_prompt = seen or bool(chain)
         decision = route(
             candidates,
             RouteRequest(

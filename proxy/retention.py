@@ -574,6 +574,9 @@ class Retention:
         assert es.tap is not None
         es.tap.note_used(await self.blocks_of(tenant, sid), now)
         recomputed = result.recomputed_tokens
+        # the session's counters first: with no await after it, a touch is either counted in
+        # both places or (cancelled before) in neither
+        await self.store.touched(tenant, sid, now, recomputed, warmup=warmup)
         if warmup:
             self.metrics.warmup_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.warmup_recomputed_tokens.inc(recomputed)
@@ -581,7 +584,6 @@ class Retention:
             self.metrics.touches.labels(es.engine.name, "ok").inc()
             self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.touch_recomputed_tokens.inc(recomputed)
-        await self.store.touched(tenant, sid, now, recomputed, warmup=warmup)
         return result
 
     async def _touch_other(self, es: EngineState, ctx: RecordedContext) -> TouchResult:

@@ -63,12 +63,12 @@ async def real_proxy(
         yield c
 
 
-async def metric(client: Client, name: str) -> float:
-    """The sum of every sample of ``name`` on the proxy's /metrics."""
+async def metric(client: Client, name: str, label: str = "") -> float:
+    """The sum of every sample of ``name`` (with ``label``, e.g. ``outcome="ok"``) on /metrics."""
     text = await (await client.get("/metrics")).text()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith((name + " ", name + "{")):
+        if line.startswith((name + " ", name + "{")) and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -110,7 +110,11 @@ async def test_lookup_finds_the_chunk_aligned_prefix_in_both_tiers(clients: Clie
     prompt = tokens(101, 830)
     assert await clients.lmc.lookup(prompt) == 0
     assert await store(clients, prompt) == 768
-    chunks = await clients.lmc.chunks(prompt)
+    # L2 is written through asynchronously: the lookup can see L1 before every chunk is in L2
+    chunks = await eventually(
+        lambda: clients.lmc.chunks(prompt),
+        lambda cs: all(c.stored and c.tiers == {"l1", "l2"} for c in cs),
+    )
     assert [c.index for c in chunks] == [0, 1, 2]  # the 62-token tail is no chunk
     assert all(c.stored and c.tiers == {"l1", "l2"} for c in chunks)
     assert all(p.size_bytes > 0 for c in chunks for k in c.keys for p in k.placements)

@@ -4,22 +4,32 @@ orjson reads integers wider than 64 bits as floats and refuses ``NaN``/``Infinit
 engine's own parser accepts. A body kvkeeper re-serializes must not change meaning, so such
 bodies (any run of 19+ digits, so also some strings; non-standard literals) go through the
 standard library both ways: :func:`loads_exact` says which parser read it.
+
+The digit-run check maps every byte to ``0`` (a digit) or a space with ``bytes.translate`` and
+looks for nineteen ``0`` in a row: both steps run in C at memory speed, where the equivalent
+regular expression cost 110 µs on a 16 KB agent prompt (more than everything else kvkeeper does
+with the request).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
+
+
+def has_long_digit_run(raw: bytes) -> bool:
+    """Whether ``raw`` holds 19 or more ASCII digits in a row (an integer orjson may widen)."""
+    return _LONG_RUN in raw.translate(_DIGITS_AS_ZERO)
 
 
 def loads_exact(raw: bytes) -> tuple[Any, bool]:
     """Parse JSON bytes: (value, read by orjson). Raises ValueError when invalid."""
-    if _LONG_DIGITS.search(raw) is None:
+    if not has_long_digit_run(raw):
         try:
             return orjson.loads(raw), True
         except orjson.JSONDecodeError:

@@ -58,6 +58,20 @@ ANSWER = json.dumps(
 ).encode()
 
 
+def agent_body(prompt_chars: int) -> dict[str, Any]:
+    """BODY behind a shared system prompt of ``prompt_chars`` characters (an agent's anchor:
+    instructions and tool definitions, the same on every call), ``BODY`` itself for 0."""
+    if prompt_chars <= 0:
+        return BODY
+    words = ("tool", "call", "result", "agent", "file", "search", "edit", "plan", "test", "run")
+    text, i = [], 0
+    while sum(map(len, text)) + len(text) < prompt_chars:
+        text.append(f"{words[i % len(words)]}{i % 97}")
+        i += 1
+    system = " ".join(text)[:prompt_chars]
+    return {**BODY, "messages": [{"role": "system", "content": system}, *BODY["messages"]]}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,6 +166,7 @@ async def load(
     headers: dict[str, str],
     hinted: bool,
     rate: float | None = None,
+    base_body: dict[str, Any] = BODY,
 ) -> tuple[list[float], float]:
     """``n`` requests from ``concurrency`` clients: back to back (closed loop), or paced so that
     together they offer ``rate`` requests/s (each client on its own fixed schedule)."""
@@ -167,10 +182,10 @@ async def load(
                     due = start + (w + k * concurrency) / rate
                     if (wait := due - time.perf_counter()) > 0:
                         await asyncio.sleep(wait)
-                body = BODY
+                body = base_body
                 if hinted:  # a few hundred sessions, each with a TTL, like an agent swarm
                     body = {
-                        **BODY,
+                        **base_body,
                         "agent_hint": {
                             "session_id": f"s{(w * 7919 + i) % 500}",
                             "cache_control": {"type": "ephemeral", "ttl": 300},
@@ -206,6 +221,13 @@ async def main() -> None:
         type=float,
         default=1000.0,
         help="also run c=16 paced at this total rate (latency when the proxy is not saturated)",
+    )
+    ap.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=0,
+        help="put a shared system prompt of this many characters before the user message "
+        "(0: the short prompt alone; 16000 is about a 4K-token agent anchor)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_overhead.json")
     args = ap.parse_args()
@@ -267,12 +289,13 @@ async def main() -> None:
         ]
         if args.paced_rps:
             settings.append((f"16@{args.paced_rps:g}rps", 16, args.paced_rps))
+        body = agent_body(args.prompt_chars)
         for label, c, rate in settings:
             per: dict[str, dict[str, list[float]]] = {
                 t: {"lat": [], "rps": [], "cpu": [], "redis_cpu": []} for t in targets
             }
             for url, _, hinted in targets.values():  # warm-up
-                await load(url + "/v1/chat/completions", 200, c, {}, hinted)
+                await load(url + "/v1/chat/completions", 200, c, {}, hinted, None, body)
             for rnd in range(args.rounds):
                 order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
                 for name in order:
@@ -280,7 +303,7 @@ async def main() -> None:
                     cpu0 = cpu_seconds(pid) if pid else 0.0
                     rcpu0 = cpu_seconds(redis.pid)
                     lat, wall = await load(
-                        url + "/v1/chat/completions", args.requests, c, {}, hinted, rate
+                        url + "/v1/chat/completions", args.requests, c, {}, hinted, rate, body
                     )
                     cpu1 = cpu_seconds(pid) if pid else 0.0
                     rcpu1 = cpu_seconds(redis.pid)
@@ -326,7 +349,13 @@ async def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
-                {"requests": args.requests, "rounds": args.rounds, "results": results}, indent=2
+                {
+                    "requests": args.requests,
+                    "rounds": args.rounds,
+                    "prompt_chars": args.prompt_chars,
+                    "results": results,
+                },
+                indent=2,
             )
         )
         print(render(results))

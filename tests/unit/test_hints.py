@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from proxy import jsonio
 from proxy.errors import BadRequest
 from proxy.hints import Edit, parse_request
 from proxy.settings import Limits
@@ -418,3 +419,22 @@ def test_stripped_body_keeps_every_value(raw: bytes, forwarded: bytes) -> None:
     assert parsed.hint is not None and parsed.hint.session_id == "a"
     # byte-exact up to float spelling (orjson writes 1e-7 where json writes 1e-07)
     assert parsed.body.replace(b"1e-7", b"1e-07") == forwarded
+
+
+@pytest.mark.parametrize(
+    ("raw", "long_run"),
+    [
+        (b'{"seed":123456789012345678}', False),  # 18 digits: fits 64 bits, orjson reads it
+        (b'{"seed":1234567890123456789}', True),  # 19 digits: might not
+        (b'{"seed":-9223372036854775809}', True),
+        (b'{"t":"12345678 90123456789012"}', False),  # a space breaks the run
+        (b'{"t":"\xc3\xa91234567890123456789\xe2\x98\x83"}', True),  # inside a UTF-8 string too
+        (b"", False),
+    ],
+)
+def test_long_digit_run(raw: bytes, long_run: bool) -> None:
+    assert jsonio.has_long_digit_run(raw) is long_run
+    if raw:
+        value, fast = jsonio.loads_exact(raw)
+        assert fast is not long_run
+        assert value == json.loads(raw)  # the same value either way, wide integers included

@@ -22,6 +22,13 @@ layout with ``--max-sessions`` root sessions open, else ``open``), split evenly 
 
 Output in ``--out``: ``<target>.json`` (the run), ``compare.json`` (summaries, ceilings, gaps),
 ``compare.md`` (the table), ``report.md`` + ``ttft_cdf.png`` + ``hit_rate.png``.
+
+``--repeats N`` plays the whole comparison N times (``round<k>/`` each, with its own realized
+ceilings; the first target stays first so the realized timeline is always the same target's,
+the others run in reverse order every other round, so drift hits them alike). The top-level
+``compare.json`` / ``compare.md`` then give per target the mean and the range over rounds of
+each figure, the paired difference to the baseline included: on a shared machine one run's
+timing moves hit rates by points, so a gain is a result only where every round shows it.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class CompareSpec:
     offload: bool = True  # give kvkeeper the simulator's LMCache-shaped tier when it has one
     router: str | None = None
     model: str = "sim"
+    repeats: int = 1
 
 
 @dataclass(slots=True)
@@ -299,23 +307,109 @@ def sized_spec(workload: Workload, spec: CompareSpec) -> tuple[CompareSpec, dict
 
 
 async def run_compare(workload: Workload, spec: CompareSpec) -> dict[str, Any]:
-    """Run every target in turn; write and return the comparison document."""
+    """Run every target in turn (``spec.repeats`` rounds); write and return the document."""
     spec.out.mkdir(parents=True, exist_ok=True)
     spec, planned = sized_spec(workload, spec)
     plan = plan_targets(spec.targets, spec.replicas, spec.router)
+    if spec.repeats <= 1:
+        return await _run_round(workload, spec, planned, plan, "")
+    rounds: list[dict[str, Any]] = []
+    for k in range(spec.repeats):
+        order = plan if k % 2 == 0 else plan[:1] + plan[:0:-1]
+        out = spec.out / f"round{k + 1}"
+        label = f"round {k + 1}/{spec.repeats} "
+        rounds.append(await _run_round(workload, replace(spec, out=out), planned, order, label))
+    doc = aggregate_rounds(rounds, [f"round{k + 1}" for k in range(spec.repeats)])
+    (spec.out / "compare.json").write_text(json.dumps(doc, indent=1))
+    (spec.out / "compare.md").write_text(render_aggregate(doc))
+    return doc
+
+
+async def _run_round(
+    workload: Workload,
+    spec: CompareSpec,
+    planned: dict[str, Any],
+    plan: list[tuple[str, str | None]],
+    label: str,
+) -> dict[str, Any]:
+    spec.out.mkdir(parents=True, exist_ok=True)
     runs: list[TargetRun] = []
     for i, (name, skipped) in enumerate(plan):
         if skipped:
-            print(f"[{i + 1}/{len(plan)}] {name}: skipped ({skipped})", flush=True)
+            print(f"{label}[{i + 1}/{len(plan)}] {name}: skipped ({skipped})", flush=True)
             runs.append(TargetRun(name, None, None, {}, 0.0, skipped))
             continue
-        print(f"[{i + 1}/{len(plan)}] {name}", flush=True)
+        print(f"{label}[{i + 1}/{len(plan)}] {name}", flush=True)
         runs.append(await run_target(name, workload, spec, tag=f"t{i}"))
     doc = compare_document(workload, spec, planned, runs)
     (spec.out / "compare.json").write_text(json.dumps(doc, indent=1))
     (spec.out / "compare.md").write_text(render_markdown(doc))
     _render_report(runs, spec.out)
     return doc
+
+
+# figures aggregated over rounds: (entry path, shown as)
+AGGREGATED: tuple[tuple[str, ...], ...] = (
+    ("hit_rate",),
+    ("hit_rate_vs_base_pp",),
+    ("gap_closed",),
+    ("ttft", "mean"),
+    ("ttft", "p90"),
+    ("ttft_mean_vs_base",),
+    ("ttft_p90_vs_base",),
+    ("recomputed_prompt_tokens",),
+    ("retention_prompt_share",),
+    ("retention_recomputed_share",),
+    ("errors",),
+)
+
+
+def _dig(entry: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = entry
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def aggregate_rounds(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """Mean, min and max over rounds of every figure in :data:`AGGREGATED`, per target.
+
+    A figure a round does not have (a skipped target, no baseline) is left out of that
+    figure's statistics; ``n`` says how many rounds each one has."""
+    first = rounds[0]
+    targets: dict[str, Any] = {}
+    for name in first["targets"]:
+        entries = [r["targets"].get(name, {}) for r in rounds]
+        if all("skipped" in e for e in entries):
+            targets[name] = {"skipped": entries[0]["skipped"]}
+            continue
+        figures: dict[str, Any] = {}
+        for path in AGGREGATED:
+            values = [v for e in entries if (v := _dig(e, path)) is not None]
+            if values:
+                figures[".".join(path)] = {
+                    "mean": sum(values) / len(values),
+                    "min": min(values),
+                    "max": max(values),
+                    "n": len(values),
+                    "values": values,
+                }
+        targets[name] = figures
+    realized = [r["ceilings"]["realized"] for r in rounds if r["ceilings"]["realized"]]
+    return {
+        "workload": first["workload"],
+        "params": first["params"],
+        "setup": first["setup"],
+        "repeats": len(rounds),
+        "rounds": list(names),
+        "ceilings": {
+            "planned": first["ceilings"]["planned"],
+            "realized": realized,
+        },
+        "targets": targets,
+    }
 
 
 def compare_document(
@@ -467,6 +561,61 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_aggregate(doc: dict[str, Any]) -> str:
+    """The table of a ``--repeats`` comparison: mean (min to max) over rounds."""
+
+    def cell(fig: dict[str, Any] | None, fmt: str) -> str:
+        if fig is None:
+            return "-"
+        if fmt == "pp":
+            f = "{:+.1f}"
+        elif fmt == "pct":
+            fig = {k: 100 * fig[k] for k in ("mean", "min", "max")}
+            f = "{:.1f}%"
+        elif fmt == "spct":
+            fig = {k: 100 * fig[k] for k in ("mean", "min", "max")}
+            f = "{:+.1f}%"
+        else:
+            f = "{:.3f}"
+        return f"{f.format(fig['mean'])} ({f.format(fig['min'])} to {f.format(fig['max'])})"
+
+    planned = doc["ceilings"]["planned"]
+    lines = [
+        f"### {doc['workload']}: {len(doc['targets'])} targets, {doc['repeats']} rounds, "
+        f"pool {planned['C']} blocks (peak working set {planned['peak_ws']})",
+        "",
+        "Mean over rounds (min to max). `vs base`: the same round's baseline (`engine`, else "
+        "`round-robin`, else `none`); gap closed per round against that round's realized Belady.",
+        "",
+        "| target | hit rate | hit vs base pp | gap closed | TTFT mean s | TTFT mean vs base "
+        "| TTFT p90 vs base | retention recomputed share | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, t in doc["targets"].items():
+        if "skipped" in t:
+            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * 7)
+            continue
+        errors = t.get("errors", {}).get("max", 0)
+        lines.append(
+            f"| {name} | {cell(t.get('hit_rate'), 'pct')} | "
+            f"{cell(t.get('hit_rate_vs_base_pp'), 'pp')} | {cell(t.get('gap_closed'), 'pct')} | "
+            f"{cell(t.get('ttft.mean'), 's')} | {cell(t.get('ttft_mean_vs_base'), 'spct')} | "
+            f"{cell(t.get('ttft_p90_vs_base'), 'spct')} | "
+            f"{cell(t.get('retention_recomputed_share'), 'pct')} | {errors:.0f} |"
+        )
+    lines += ["", "| realized ceilings | LRU | Belady | infinite |", "|---|---|---|---|"]
+    for name, row in zip(doc["rounds"], doc["ceilings"]["realized"], strict=False):
+        lines.append(
+            f"| {name} ({row['from']}) | {_pct(row['lru'])} | {_pct(row['belady'])} "
+            f"| {_pct(row['inf'])} |"
+        )
+    lines.append(
+        f"| planned timeline | {_pct(planned['lru'])} | {_pct(planned['belady'])} "
+        f"| {_pct(planned['inf'])} |"
+    )
+    return "\n".join(lines) + "\n"
+
+
 def _render_report(runs: list[TargetRun], out: Path) -> None:
     from loadgen.report import render_report
 
@@ -533,6 +682,12 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument("--router", help="vllm-router executable (default: found on PATH)")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="play the comparison this many times and report mean and range (default 1)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_compare)
 
@@ -570,6 +725,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
         offload=not args.no_offload,
         router=find_router(args.router),
         model=args.model,
+        repeats=max(1, args.repeats),
     )
 
 
@@ -577,7 +733,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     spec = spec_from_args(args)
     doc = asyncio.run(run_compare(workload, spec))
-    print(render_markdown(doc))
+    if spec.repeats > 1:
+        print(render_aggregate(doc))
+        errors = sum(t.get("errors", {}).get("max", 0) for t in doc["targets"].values())
+    else:
+        print(render_markdown(doc))
+        errors = sum(t.get("errors", 0) for t in doc["targets"].values())
     print(f"results: {spec.out}")
-    errors = sum(t.get("errors", 0) for t in doc["targets"].values())
     return 0 if errors == 0 else 1

@@ -12,6 +12,7 @@ import pytest
 from loadgen import ceiling
 from loadgen.bench_compare import (
     CompareSpec,
+    aggregate_rounds,
     largest_request_blocks,
     plan_targets,
     realized_replay,
@@ -127,6 +128,52 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     assert "| engine |" in table
     assert "| full |" in table
     assert "realized (engine)" in table
+
+
+async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None:
+    workload = small_swarm()
+    doc = await run_compare(workload, spec(tmp_path, ("engine", "none", "session"), 0.5, repeats=2))
+    out = tmp_path / "cmp"
+    assert doc["repeats"] == 2 and doc["rounds"] == ["round1", "round2"]
+    rounds = [json.loads((out / r / "compare.json").read_text()) for r in doc["rounds"]]
+    # the first target stays first (the realized ceilings are its timeline every round)
+    assert [r["ceilings"]["realized"]["from"] for r in rounds] == ["engine", "engine"]
+    assert doc["ceilings"]["realized"] == [r["ceilings"]["realized"] for r in rounds]
+    for name in ("engine", "none", "session"):
+        hits = [r["targets"][name]["hit_rate"] for r in rounds]
+        fig = doc["targets"][name]["hit_rate"]
+        assert fig["values"] == hits and fig["n"] == 2
+        assert fig["mean"] == pytest.approx(sum(hits) / 2)
+        assert (fig["min"], fig["max"]) == (min(hits), max(hits))
+        assert doc["targets"][name]["errors"]["max"] == 0
+    # the paired difference to the same round's baseline: zero for the baseline itself
+    assert doc["targets"]["engine"]["hit_rate_vs_base_pp"]["max"] == 0.0
+    table = (out / "compare.md").read_text()
+    assert "2 rounds" in table and "| session |" in table and "round2 (engine)" in table
+
+
+def test_aggregate_leaves_out_what_a_round_lacks() -> None:
+    def doc(hit: float, ttft_vs_base: float | None) -> dict[str, object]:
+        target: dict[str, object] = {"hit_rate": hit, "ttft": {"mean": 1.0, "p90": 2.0}}
+        if ttft_vs_base is not None:
+            target["ttft_mean_vs_base"] = ttft_vs_base
+        ceilings = {"planned": {"C": 1}, "realized": None}
+        return {"workload": "w", "params": {}, "setup": {}, "ceilings": ceilings,
+                "targets": {"full": target, "vllm-router": {"skipped": "not installed"}}}  # fmt: skip
+
+    agg = aggregate_rounds([doc(0.5, 0.1), doc(0.7, None)], ["round1", "round2"])
+    full = agg["targets"]["full"]
+    assert full["hit_rate"]["mean"] == pytest.approx(0.6)
+    assert full["ttft_mean_vs_base"] == {
+        "mean": 0.1,
+        "min": 0.1,
+        "max": 0.1,
+        "n": 1,
+        "values": [0.1],
+    }
+    assert "gap_closed" not in full
+    assert agg["targets"]["vllm-router"] == {"skipped": "not installed"}
+    assert agg["ceilings"]["realized"] == []
 
 
 async def test_realized_replay_matches_the_recorded_calls(tmp_path: Path) -> None:

@@ -412,12 +412,13 @@ class Retention:
     def _resident(self, es: EngineState, blocks: tuple[int, ...]) -> int | None:
         """With KV events: how many leading blocks of the session the engine still holds.
 
-        None when unknown (no events, or block ids not learned): touch the whole context.
+        None when unknown (no events, or block ids not learned): touch the whole context. Known
+        ids may lag a context that grew since they were learned (``relearn_idle_s``): the touch
+        then stops at what is known to be resident rather than re-prefill an unknown tail.
         """
         if es.subscriber is None or not blocks:
             return None
-        n = es.index.resident_prefix(blocks)
-        return None if n == len(blocks) else n
+        return es.index.resident_prefix(blocks)
 
     def _urgent(
         self, es: EngineState, sessions: list[Session], kept: set[tuple[str, str]], now: float
@@ -564,7 +565,10 @@ class Retention:
         offset = min(limits) if limits else None
         if offset is not None and ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
             tokens = await es.adapter.tokenize(ctx.route, ctx.body)
-            tokens = tokens[: max(1, offset) * es.adapter.cache.block_size]
+            # one token past the last whole block: vLLM looks up at most num_tokens - 1 tokens,
+            # so a prompt of exactly N blocks would recompute (and not refresh) the N-th; this
+            # one hits all N and recomputes a single token
+            tokens = tokens[: max(1, offset) * es.adapter.cache.block_size + 1]
             result = await es.adapter.touch_tokens(tokens, cache_salt=ctx.body.get("cache_salt"))
         elif ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
             result = await es.adapter.touch(ctx.route, ctx.prefix_body())

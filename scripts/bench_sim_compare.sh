@@ -3,11 +3,16 @@
 #   bash scripts/bench_sim_compare.sh [OUT_DIR]        (default results/sim_compare; ~85 min on 2 cores)
 # Each `kvkeeper bench compare` starts a fresh simulator per target (h100-llama8b timing), and
 # kvkeeper (with its own redis-server) or vllm-router in front, as subprocesses.
-# ONLY=trace-n8-p25,swarm-p50 runs a subset of the settings.
+# ONLY=trace-n8-p25,swarm-p50 runs a subset of the settings; REPEATS=3 plays each comparison three
+# times (mean and range per figure); TARGETS=engine,none,full (one replica) and
+# R2_TARGETS=none,full,round-robin,vllm-router (two replicas) run fewer targets.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${1:-results/sim_compare}
 ONLY=${ONLY:-}
+REPEATS=${REPEATS:-1}
+TARGETS=${TARGETS:-}
+R2_TARGETS=${R2_TARGETS:-}
 
 # The trace subset: the 16 Claude Code traces whose full prompts stay under ~131K tokens, first
 # 10 top-level calls of each (their sub-agents included), think times capped at 60 s, then all
@@ -22,7 +27,10 @@ run() {  # NAME ARGS...
     local name=$1; shift
     if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
     echo "== $name"
-    python -m proxy.cli bench compare "$@" --out "$OUT/$name" --no-progress
+    local targets=$TARGETS
+    if [[ " $* " == *" --replicas "* ]]; then targets=$R2_TARGETS; fi
+    python -m proxy.cli bench compare "$@" ${targets:+--targets "$targets"} --repeats "$REPEATS" \
+        --out "$OUT/$name" --no-progress
 }
 
 run trace-n8-p25  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25

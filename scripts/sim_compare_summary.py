@@ -3,6 +3,10 @@
 
     python scripts/sim_compare_summary.py [results/sim_compare] [--per-setting]
 
+Settings run with ``--repeats`` (``REPEATS=N bash scripts/bench_sim_compare.sh``) get a table of
+their own: mean and range over rounds of every figure, the paired difference to each round's
+baseline included.
+
 One row per setting and ``full`` / ``full+dispatch`` target (two replicas: also ``none`` and
 ``vllm-router``): hit rate against the baseline (``engine``; ``round-robin`` with two replicas)
 and the realized ceilings, the share of the LRU-to-Belady gap
@@ -36,6 +40,58 @@ def _pct(x: float | None, signed: bool = False) -> str:
     return f"{x * 100:+.1f}%" if signed else f"{x * 100:.1f}%"
 
 
+def _fig(fig: dict[str, Any] | None, scale: float = 100.0, fmt: str = "{:.1f}%") -> str:
+    """``mean (min to max)`` of an aggregated figure (``bench compare --repeats``)."""
+    if fig is None:
+        return "-"
+    f = [fmt.format(scale * fig[k]) for k in ("mean", "min", "max")]
+    return f"{f[0]} ({f[1]} to {f[2]})"
+
+
+def rows_repeated(root: Path) -> list[str]:
+    """The summary of settings run with ``--repeats``: mean and range over rounds."""
+    out = [
+        "| setting | target | rounds | C / W blocks | hit | hit vs base (pp) "
+        "| realized Belady - base (pp) | gap closed | noise: none vs base (pp) "
+        "| TTFT mean vs base | retention recomputed share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ORDER:
+        path = root / name / "compare.json"
+        if not path.exists():
+            continue
+        doc: dict[str, Any] = json.loads(path.read_text())
+        if "repeats" not in doc:
+            continue
+        targets = doc["targets"]
+        base_name = next((b for b in ("engine", "round-robin", "none") if b in targets), None)
+        if base_name is None:
+            continue
+        rounds = [json.loads((root / name / r / "compare.json").read_text()) for r in doc["rounds"]]
+        gaps = [
+            100 * (r["ceilings"]["realized"]["belady"] - r["targets"][base_name]["hit_rate"])
+            for r in rounds
+        ]
+        gap = {"mean": sum(gaps) / len(gaps), "min": min(gaps), "max": max(gaps)}
+        one = base_name == "engine"
+        noise = targets.get("none", {}).get("hit_rate_vs_base_pp") if one else None
+        shown = [t for t in targets if t != base_name and not (one and t == "none")]
+        for tname in shown:
+            t = targets[tname]
+            if "skipped" in t:
+                continue
+            out.append(
+                f"| {name} | {tname} | {doc['repeats']} "
+                f"| {doc['ceilings']['planned']['C']:,} / {doc['ceilings']['planned']['peak_ws']:,} "
+                f"| {_fig(t.get('hit_rate'))} | {_fig(t.get('hit_rate_vs_base_pp'), 1, '{:+.1f}')} "
+                f"| {_fig(gap, 1, '{:.1f}')} | {_fig(t.get('gap_closed'))} "
+                f"| {_fig(noise, 1, '{:+.1f}')} "
+                f"| {_fig(t.get('ttft_mean_vs_base'), 100, '{:+.1f}%')} "
+                f"| {_fig(t.get('retention_recomputed_share'))} |"
+            )
+    return out
+
+
 def rows(root: Path) -> list[str]:
     out = [
         "| setting | target | C / W blocks | base hit | hit | realized LRU / Belady / inf "
@@ -48,6 +104,8 @@ def rows(root: Path) -> list[str]:
         if not path.exists():
             continue
         doc: dict[str, Any] = json.loads(path.read_text())
+        if "repeats" in doc:
+            continue  # rows_repeated
         targets = doc["targets"]
         base_name = "engine" if "engine" in targets else "round-robin"
         base = targets.get(base_name)
@@ -91,6 +149,10 @@ def per_setting(root: Path) -> list[str]:
         if not path.exists():
             continue
         doc = json.loads((root / name / "compare.json").read_text())
+        if "repeats" in doc:  # the round tables, not the aggregate: C is the planned pool
+            out += [f"#### {TITLES[name]}", "", f"`results/sim_compare/{name}/`:"]
+            out += [*path.read_text().strip().splitlines()[1:], ""]
+            continue
         real, planned = doc["ceilings"]["realized"], doc["ceilings"]["planned"]
         body = path.read_text().strip().splitlines()[1:]  # its own title line is ours here
         out += [
@@ -106,7 +168,13 @@ def per_setting(root: Path) -> list[str]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     root = Path(args[0] if args else "results/sim_compare")
-    lines = per_setting(root) if "--per-setting" in sys.argv else rows(root)
+    if "--per-setting" in sys.argv:
+        lines = per_setting(root)
+    else:
+        lines = rows(root)
+        repeated = rows_repeated(root)
+        if len(repeated) > 2:  # header rows only: no setting of that kind
+            lines = [*lines, "", *repeated] if len(lines) > 2 else repeated
     print("\n".join(lines))
 
 

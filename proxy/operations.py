@@ -163,13 +163,14 @@ class SessionOps:
 
     async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
         detail: dict[str, Any] = {}
-        declined = await self._decline_warmup(es, session, edit)
-        if declined is not None:
-            return declined
+        tier_tokens: int | None = None
         if es.tier is not None:
             tokens = await self._tokens(es, session, edit)
             if tokens:
-                detail["tier_tokens"] = await es.tier.lookup(tokens)
+                tier_tokens = detail["tier_tokens"] = await es.tier.lookup(tokens)
+        declined = await self._decline_warmup(es, session, edit, tier_tokens)
+        if declined is not None:
+            return declined
         result = await self.retention.replay(
             es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
         )
@@ -188,21 +189,26 @@ class SessionOps:
         return EditResult(edit, "applied", None, detail)
 
     async def _decline_warmup(
-        self, es: EngineState, session: Session, edit: Edit
+        self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None = None
     ) -> EditResult | None:
-        """Without a tier to load from, a warm-up re-prefills what the engine lost. Decline it
-        when the lost part is more than ``prefetch_max_pool_share`` of the pool: LRU would
-        evict it (and others' prefixes) again before the resume. (A resident prefix is still
-        warmed: that costs one partial block and moves it to LRU's safe end.)"""
-        if es.tier is not None or es.subscriber is None or es.load is None:
+        """A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
+        re-prefills what neither the engine nor the tier kept. Decline it when that lost part
+        is more than ``prefetch_max_pool_share`` of the pool: LRU would evict it (and others'
+        prefixes) again before the resume, which pays for it anyway if it comes. (A resident
+        prefix is still warmed: that costs one token and moves it to LRU's safe end.)"""
+        if es.subscriber is None or es.load is None:
             return None
         blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
         if edit.block_end is not None:
             blocks = blocks[: edit.block_end]
         if not blocks:
             return None
-        missing = len(blocks) - es.index.resident_prefix(blocks)
+        in_tier = (tier_tokens or 0) // es.adapter.cache.block_size
+        kept = max(es.index.resident_prefix(blocks), in_tier)
+        missing = len(blocks) - min(kept, len(blocks))
         detail = {"blocks": len(blocks), "missing_blocks": missing}
+        if tier_tokens is not None:
+            detail["tier_tokens"] = tier_tokens
         limit = self.retention.settings.prefetch_max_pool_share * es.load.pool_blocks
         if missing > limit:
             detail["limit_blocks"] = int(limit)

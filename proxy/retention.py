@@ -359,7 +359,10 @@ class Retention:
     async def tick(self, es: EngineState, now: float) -> None:
         await self._expire(now)
         await self._scrape(es, now)
-        sessions = [s for s in await self.store.protected(now) if self._drives(es, s)]
+        # a session that has not finished a request yet has no recorded context to touch
+        sessions = [
+            s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
+        ]
         if not sessions:
             return
         blocks: dict[tuple[str, str], tuple[int, ...]] = {}

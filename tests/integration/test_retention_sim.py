@@ -286,3 +286,27 @@ async def test_prefetch_without_a_tier_warms_only_what_fits(
 
 async def _loaded(es) -> bool:  # type: ignore[no-untyped-def]
     return es.load is not None
+
+
+async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    # a tier of 8 chunks (2,048 tokens): the flood pushes out of it whatever is not pinned
+    async with sim_stack(redis_server.url, namespace, cpu_blocks=64) as st:
+        for sid, seed in (("kept", 1), ("lost", 2)):
+            await st.complete(prompt(seed), {"session_id": sid})
+            await _known_blocks(st, sid)
+        retention = st.runtime().retention
+        assert retention is not None
+        es = next(iter(retention.engines.values()))
+        assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
+        offload = (await st.manage("kept", "offload"))["results"][0]
+        assert offload["status"] == "applied", offload  # its 7 chunks pinned in the tier
+        await _flood(st)  # the GPU loses both sessions, the tier keeps only the pinned one
+        kept = (await st.manage("kept", "prefetch"))["results"][0]
+        assert kept["status"] == "applied", kept
+        assert kept["detail"]["tier_tokens"] == 7 * 256
+        assert kept["detail"]["cached_tokens"] >= 7 * 256  # loaded from the tier
+        lost = (await st.manage("lost", "prefetch"))["results"][0]
+        assert lost["status"] == "rejected" and lost["reason"] == "exceeds_prefetch_budget", lost
+        assert lost["detail"]["tier_tokens"] == 0 and lost["detail"]["missing_blocks"] == 63

@@ -153,7 +153,8 @@ class EngineState:
     leader_token: int = 0
     in_flight: set[tuple[str, str]] = field(default_factory=set)
     overridden: set[tuple[str, str]] = field(default_factory=set)
-    lost: set[tuple[str, str]] = field(default_factory=set)  # protected, but nothing resident
+    # protected, but nothing resident: the session's last_used when that was found
+    lost: dict[tuple[str, str], float] = field(default_factory=dict)
     last_scrape: float = 0.0
     last_horizon_s: float = math.inf
     horizon_source: str = "unknown"
@@ -165,6 +166,10 @@ class EngineState:
     @property
     def mode(self) -> str:
         return "events" if self.subscriber is not None else "feedback"
+
+
+class _PrefixLost(Exception):
+    """A touch found none of the session's prefix left on the engine."""
 
 
 def _key(tenant: str, sid: str) -> str:
@@ -397,28 +402,31 @@ class Retention:
         )
         by_key = {_key(s.tenant, s.session_id): s for s in sessions}
         chosen = set(plan.touch) | self._urgent(es, sessions, kept, now)
-        lost: set[tuple[str, str]] = set()
         for key in chosen:
             session = by_key[key]
             sk = (session.tenant, session.session_id)
-            resident = self._resident(es, blocks[sk])
-            if resident == 0:
-                # the engine already evicted it: a touch would be a full re-prefill nobody
-                # asked for, competing with live traffic; the resume pays it if it comes
-                lost.add(sk)
-                if sk not in es.lost:  # counted once per loss, not once per tick
-                    self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
+            if es.lost.get(sk) == session.last_used:
+                continue  # found evicted, and nothing new recorded since
+            current = self._blocks.get(sk, (None, ()))[0] == session.last_used
+            if current and self._resident(es, blocks[sk]) == 0:
+                self._mark_lost(es, session)
                 continue
-            self._spawn_touch(es, session, resident)
-        es.lost = lost
+            self._spawn_touch(es, session)
+        if es.lost:  # forget the losses of sessions no longer protected here
+            es.lost = {sk: v for sk, v in es.lost.items() if _key(*sk) in by_key}
+
+    def _mark_lost(self, es: EngineState, session: Session) -> None:
+        """The engine already evicted the session's prefix: a touch would be a full re-prefill
+        nobody asked for, competing with live traffic (the resume pays it if it comes). Counted
+        once per loss: until the session records a new context, it is not touched again."""
+        sk = (session.tenant, session.session_id)
+        if es.lost.get(sk) != session.last_used:
+            es.lost[sk] = session.last_used
+            self.metrics.touches.labels(es.engine.name, "skipped_lost").inc()
 
     def _resident(self, es: EngineState, blocks: tuple[int, ...]) -> int | None:
-        """With KV events: how many leading blocks of the session the engine still holds.
-
-        None when unknown (no events, or block ids not learned): touch the whole context. Known
-        ids may lag a context that grew since they were learned (``relearn_idle_s``): the touch
-        then stops at what is known to be resident rather than re-prefill an unknown tail.
-        """
+        """With KV events: how many leading blocks of ``blocks`` the engine still holds (None:
+        no events or no ids)."""
         if es.subscriber is None or not blocks:
             return None
         return es.index.resident_prefix(blocks)
@@ -523,10 +531,10 @@ class Retention:
         return everyone - overridden
 
     # --- touches and warm-ups ---------------------------------------------------------------------
-    def _spawn_touch(self, es: EngineState, session: Session, resident: int | None) -> None:
+    def _spawn_touch(self, es: EngineState, session: Session) -> None:
         key = (session.tenant, session.session_id)
         es.in_flight.add(key)
-        task = asyncio.create_task(self._touch(es, session, resident))
+        task = asyncio.create_task(self._touch(es, session))
         self._touches.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
@@ -535,14 +543,25 @@ class Retention:
 
         task.add_done_callback(done)
 
-    async def _touch(self, es: EngineState, session: Session, resident: int | None) -> None:
-        """Refresh the session's prefix. Only its still-resident leading blocks are re-sent: the
-        evicted tail would be a re-prefill (the resume pays it if it comes), so a touch costs
-        at most its last partial block whatever LRU already took."""
+    async def _touch(
+        self, es: EngineState, session: Session, limit_blocks: int | None = None
+    ) -> None:
+        """Refresh the session's prefix. Only its still-resident leading blocks are re-sent
+        (found from the recorded context itself, so ids learned before the context last changed
+        cannot mislead it): the evicted tail would be a re-prefill the resume pays anyway if it
+        comes, so a touch recomputes one token whatever LRU already took."""
         try:
             result = await self.replay(
-                es, session.tenant, session.session_id, warmup=False, limit_blocks=resident
+                es,
+                session.tenant,
+                session.session_id,
+                warmup=False,
+                limit_blocks=limit_blocks,
+                resident_only=True,
             )
+        except _PrefixLost:
+            self._mark_lost(es, session)
+            return
         except (AdapterError, StoreDown, ValueError) as exc:
             self.metrics.touches.labels(es.engine.name, "failed").inc()
             log.warning("touch of %s failed: %s", session.session_id, exc)
@@ -558,21 +577,35 @@ class Retention:
         *,
         warmup: bool,
         limit_blocks: int | None = None,
+        resident_only: bool = False,
     ) -> TouchResult | None:
-        """Re-send the session's recorded prefix with one output token; record what it cost."""
+        """Re-send the session's recorded prefix with one output token; record what it cost.
+
+        ``limit_blocks`` caps the prefix at that many blocks; ``resident_only`` (with KV events)
+        at the blocks the engine still holds, raising :class:`_PrefixLost` when it holds none.
+        """
         blob = await self.store.get_context(tenant, sid)
         if blob is None:
             return None
         ctx = decode_context(blob)
         limits = [n for n in (ctx.block_offset, limit_blocks) if n is not None]
         offset = min(limits) if limits else None
-        if offset is not None and ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
+        exact = resident_only and es.subscriber is not None and not es.no_tokenize
+        if (offset is not None or exact) and ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
+            salt = ctx.body.get("cache_salt")
             tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+            if exact:
+                ids = es.adapter.hasher.block_ids(tokens, cache_salt=salt)
+                resident = es.index.resident_prefix(ids)
+                offset = resident if offset is None else min(offset, resident)
+                if offset == 0:
+                    raise _PrefixLost
+            assert offset is not None
             # one token past the last whole block: vLLM looks up at most num_tokens - 1 tokens,
             # so a prompt of exactly N blocks would recompute (and not refresh) the N-th; this
             # one hits all N and recomputes a single token
             tokens = tokens[: max(1, offset) * es.adapter.cache.block_size + 1]
-            result = await es.adapter.touch_tokens(tokens, cache_salt=ctx.body.get("cache_salt"))
+            result = await es.adapter.touch_tokens(tokens, cache_salt=salt)
         elif ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
             result = await es.adapter.touch(ctx.route, ctx.prefix_body())
         else:

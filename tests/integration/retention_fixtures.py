@@ -50,12 +50,14 @@ class SimStack:
         assert resp.status == 200, await resp.text()
         return dict(await resp.json())
 
-    async def metric(self, name: str, i: int = 0) -> float:
+    async def metric(self, name: str, i: int = 0, label: str = "") -> float:
+        """The sum of ``name`` over its series (those with ``label``, e.g. ``outcome="ok"``)."""
         text = await (await self.proxies[i].get("/metrics")).text()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
+            series, _, value = line.rpartition(" ")
+            if (series == name or series.startswith(name + "{")) and label in series:
+                total += float(value)
         return total
 
 

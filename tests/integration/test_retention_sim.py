@@ -219,16 +219,26 @@ async def test_a_touch_resends_only_the_resident_prefix(
         assert session is not None
         blocks = await retention.blocks_of("default", "part", session)
         assert len(blocks) == 63 and retention._resident(es, blocks) == 63  # all resident
-        await retention._touch(es, session, 10)  # as if LRU had taken all but 10 blocks
+        await retention._touch(es, session, 10)  # only the first 10 blocks
         # one token past the 10 blocks: all 10 hit (vLLM looks up at most prompt - 1 tokens)
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 10 * BLOCK + 1
         assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 1
+        await retention._touch(es, session)  # all 63 resident: 63 blocks and one token
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 73 * BLOCK + 2
+        assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 2
         await _flood(st)  # 8 x 63 blocks through a 200-block pool: nothing of it is left
 
         async def gone() -> bool:
             return retention._resident(es, blocks) == 0
 
         assert await wait_for(gone), "the flood never evicted the session"
+        # a touch finds that from the recorded context itself: nothing is sent, and the loss
+        # is counted once until the session records something new
+        sent = await st.metric("kvkeeper_touch_prompt_tokens_total")
+        for _ in range(2):
+            await retention._touch(es, session)
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == sent
+        assert await st.metric("kvkeeper_touches_total", label='outcome="skipped_lost"') == 1
 
 
 async def test_dispatch_gate_serves_resident_prefixes_first(

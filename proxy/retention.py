@@ -27,7 +27,7 @@ import struct
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +170,10 @@ class EngineState:
 
 class _PrefixLost(Exception):
     """A touch found none of the session's prefix left on the engine."""
+
+
+class _TouchLate(Exception):
+    """A touch the engine did not serve within ``touch_deadline_s`` (abandoned)."""
 
 
 def _key(tenant: str, sid: str) -> str:
@@ -562,6 +566,9 @@ class Retention:
         except _PrefixLost:
             self._mark_lost(es, session)
             return
+        except _TouchLate:
+            self.metrics.touches.labels(es.engine.name, "late").inc()
+            return
         except (AdapterError, StoreDown, ValueError) as exc:
             self.metrics.touches.labels(es.engine.name, "failed").inc()
             log.warning("touch of %s failed: %s", session.session_id, exc)
@@ -605,9 +612,13 @@ class Retention:
             # so a prompt of exactly N blocks would recompute (and not refresh) the N-th; this
             # one hits all N and recomputes a single token
             tokens = tokens[: max(1, offset) * es.adapter.cache.block_size + 1]
-            result = await es.adapter.touch_tokens(tokens, cache_salt=salt)
+            result = await self._in_time(
+                es.adapter.touch_tokens(tokens, cache_salt=salt), warmup=warmup
+            )
         elif ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
-            result = await es.adapter.touch(ctx.route, ctx.prefix_body())
+            result = await self._in_time(
+                es.adapter.touch(ctx.route, ctx.prefix_body()), warmup=warmup
+            )
         else:
             result = await self._touch_other(es, ctx)
         now = time.time()
@@ -625,6 +636,20 @@ class Retention:
             self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.touch_recomputed_tokens.inc(recomputed)
         return result
+
+    async def _in_time(self, touch: Awaitable[TouchResult], *, warmup: bool) -> TouchResult:
+        """A keep-alive touch that the engine has not served within ``touch_deadline_s`` is
+        waiting in its queue, where it holds nothing: by the time it is scheduled LRU may have
+        taken the prefix, and the touch would re-prefill it in the middle of the congestion.
+        It is abandoned instead (the engine aborts a request whose client left). Warm-ups are
+        asked for and always run to the end."""
+        if warmup:
+            return await touch
+        try:
+            async with asyncio.timeout(self.settings.touch_deadline_s):
+                return await touch
+        except TimeoutError:
+            raise _TouchLate from None
 
     async def _touch_other(self, es: EngineState, ctx: RecordedContext) -> TouchResult:
         """Anthropic /v1/messages and /v1/responses: the same one-token request on their route."""

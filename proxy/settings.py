@@ -103,6 +103,8 @@ class RetentionSettings(BaseModel):
     tick_s: float = Field(default=0.5, gt=0)
     safety_fraction: float = Field(default=0.5, gt=0, le=1)  # touch at this share of the horizon
     max_concurrent_touches: int = Field(default=4, gt=0)
+    # a touch not served by then is waiting in the engine's queue: abandoned (outcome "late")
+    touch_deadline_s: float = Field(default=1.0, gt=0)
     budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
     fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
     lease_ttl_s: float = Field(default=3.0, gt=0)

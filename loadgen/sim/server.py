@@ -127,7 +127,9 @@ def create_app(engine: SimEngine, config: SimConfig, publisher: EventPublisher) 
 
 
 async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None)
+    # like vLLM's OpenAI server (its ``with_cancellation`` routes): a client that goes away
+    # aborts its request, non-streaming ones included, so it frees its blocks and slot
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

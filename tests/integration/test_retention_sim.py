@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import (
@@ -320,3 +321,30 @@ async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
         lost = (await st.manage("lost", "prefetch"))["results"][0]
         assert lost["status"] == "rejected" and lost["reason"] == "exceeds_prefetch_budget", lost
         assert lost["detail"]["tier_tokens"] == 0 and lost["detail"]["missing_blocks"] == 63
+
+
+async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    # a simulator 200x slower than the profile: no touch is served within 1 ms
+    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.001) as st:
+        await st.complete(prompt(1), {"session_id": "slow", "cache_control": {"ttl": 300}})
+        retention = st.runtime().retention
+        assert retention is not None
+        es = next(iter(retention.engines.values()))
+        await st.runtime().settle()
+        session = await retention.store.get("default", "slow")
+        assert session is not None
+        await _known_blocks(st, "slow")
+        fast = st.sim.engine.config
+        st.sim.engine.config = replace(fast, speed=0.005)
+        await retention._touch(es, session)
+        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 0  # nothing counted
+        st.sim.engine.config = fast
+        # the engine aborted it (the client left), as vLLM does, and freed its slot
+
+        async def aborted() -> bool:
+            return st.sim.engine.stats.finished.get("abort", 0) == 1
+
+        assert await wait_for(aborted), st.sim.engine.stats.finished

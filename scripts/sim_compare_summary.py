@@ -30,6 +30,8 @@ TITLES = {
     "swarm-p50": "swarm (CacheScout setting), one replica, pool 50% of W",
     "fanout-p50": "fanout (the RFC's fan-out/join), one replica, pool 50% of W",
     "swarm-r2-p50": "swarm, two replicas (pool 50% of W split over them)",
+    "trace-n8-p25-tier": "Claude Code traces, 8 sessions, pool 25% of W, CPU tier of the pool's size",
+    "swarm-p50-tier": "swarm, one replica, pool 50% of W, CPU tier of the pool's size",
 }
 ORDER = tuple(TITLES)
 

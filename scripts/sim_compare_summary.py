@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +51,25 @@ def _fig(fig: dict[str, Any] | None, scale: float = 100.0, fmt: str = "{:.1f}%")
     return f"{f[0]} ({f[1]} to {f[2]})"
 
 
+def _settings(root: Path, repeated: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(setting, compare.json)`` in BENCHMARKS order: those run with ``--repeats`` or not."""
+    for name in ORDER:
+        path = root / name / "compare.json"
+        if path.exists():
+            doc: dict[str, Any] = json.loads(path.read_text())
+            if ("repeats" in doc) == repeated:
+                yield name, doc
+
+
 def rows_repeated(root: Path) -> list[str]:
     """The summary of settings run with ``--repeats``: mean and range over rounds."""
     out = [
-        "| setting | target | rounds | C / W blocks | hit | hit vs base (pp) "
+        "| setting | target | rounds | C / W blocks | base hit | hit | hit vs base (pp) "
         "| realized Belady - base (pp) | gap closed | noise: none vs base (pp) "
         "| TTFT mean vs base | retention recomputed share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ORDER:
-        path = root / name / "compare.json"
-        if not path.exists():
-            continue
-        doc: dict[str, Any] = json.loads(path.read_text())
-        if "repeats" not in doc:
-            continue
+    for name, doc in _settings(root, repeated=True):
         targets = doc["targets"]
         base_name = next((b for b in ("engine", "round-robin", "none") if b in targets), None)
         if base_name is None:
@@ -85,6 +90,7 @@ def rows_repeated(root: Path) -> list[str]:
             out.append(
                 f"| {name} | {tname} | {doc['repeats']} "
                 f"| {doc['ceilings']['planned']['C']:,} / {doc['ceilings']['planned']['peak_ws']:,} "
+                f"| {_fig(targets[base_name].get('hit_rate'))} "
                 f"| {_fig(t.get('hit_rate'))} | {_fig(t.get('hit_rate_vs_base_pp'), 1, '{:+.1f}')} "
                 f"| {_fig(gap, 1, '{:.1f}')} | {_fig(t.get('gap_closed'))} "
                 f"| {_fig(noise, 1, '{:+.1f}')} "
@@ -101,13 +107,7 @@ def rows(root: Path) -> list[str]:
         "| retention sent / recomputed share |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ORDER:
-        path = root / name / "compare.json"
-        if not path.exists():
-            continue
-        doc: dict[str, Any] = json.loads(path.read_text())
-        if "repeats" in doc:
-            continue  # rows_repeated
+    for name, doc in _settings(root, repeated=False):
         targets = doc["targets"]
         base_name = "engine" if "engine" in targets else "round-robin"
         base = targets.get(base_name)

@@ -72,10 +72,13 @@ class CpuTier:
             keys.append(parent.hex())
         return keys
 
-    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
-        """Leading tokens stored (whole chunks); refreshes those chunks in the LRU."""
+    def lookup_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None, keys: Sequence[str] | None = None
+    ) -> int:
+        """Leading tokens stored (whole chunks); refreshes those chunks in the LRU. ``keys``:
+        :meth:`chunk_keys` of the same tokens, when the caller kept them."""
         hit = 0
-        for key in self.chunk_keys(token_ids, cache_salt):
+        for key in self.chunk_keys(token_ids, cache_salt) if keys is None else keys:
             chunk = self.chunks.get(key)
             if chunk is None:
                 break
@@ -89,11 +92,14 @@ class CpuTier:
         token_ids: Sequence[int],
         block_hashes: Sequence[bytes],
         cache_salt: str | None,
+        keys: Sequence[str] | None = None,
     ) -> int:
         """Store every full chunk of a computed prefix; returns chunks newly stored."""
         per_chunk = self.chunk_tokens // self.block_size
         new = 0
-        for i, key in enumerate(self.chunk_keys(token_ids, cache_salt)):
+        if keys is None:
+            keys = self.chunk_keys(token_ids, cache_salt)
+        for i, key in enumerate(keys):
             if key in self.chunks:
                 self.chunks.move_to_end(key)
                 continue

@@ -74,6 +74,11 @@ class SimRequest:
     first_token_at: float | None = None
     finish_reason: str | None = None
     stored_to_cpu: bool = False
+    # CPU-tier chunk keys of the first ``cpu_keys_for`` tokens: hashed once, not at every step
+    # the request waits at the head of the queue (hashing a 100K-token prompt takes ~5 ms of
+    # real time, which the simulator's clock would count as engine time)
+    cpu_keys: list[str] = field(default_factory=list)
+    cpu_keys_for: int = -1
 
 
 @dataclass(slots=True)
@@ -275,7 +280,9 @@ class SimEngine:
         if self.cpu is None:
             return 0
         seq = req.seq
-        stored = self.cpu.lookup_prefix(seq.token_ids, seq.cache_salt)
+        stored = self.cpu.lookup_prefix(
+            seq.token_ids, seq.cache_salt, self._cpu_keys(req, seq.num_tokens)
+        )
         external = max(0, min(stored, seq.num_tokens - 1) - local)
         self.stats.external_queries += seq.num_tokens
         self.stats.external_hits += external
@@ -336,7 +343,17 @@ class SimEngine:
             return
         req.stored_to_cpu = True
         prompt = req.seq.token_ids[: req.prompt_len]
-        self.cpu.store(prompt, req.seq.block_hashes, req.seq.cache_salt)
+        keys = self._cpu_keys(req, req.prompt_len)
+        self.cpu.store(prompt, req.seq.block_hashes, req.seq.cache_salt, keys)
+
+    def _cpu_keys(self, req: SimRequest, n_tokens: int) -> list[str]:
+        """The tier's chunk keys of the request's first ``n_tokens`` tokens, hashed once."""
+        assert self.cpu is not None
+        if req.cpu_keys_for != n_tokens:
+            tokens = req.seq.token_ids[:n_tokens]
+            req.cpu_keys = self.cpu.chunk_keys(tokens, req.seq.cache_salt)
+            req.cpu_keys_for = n_tokens
+        return req.cpu_keys
 
     def _finish(self, req: SimRequest, reason: str) -> None:
         req.finish_reason = reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
@@ -121,6 +121,39 @@ async def test_cpu_tier_loads_back_what_the_device_evicted(make_engine: Factory)
     cpu_stored = [e for e in published if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
     assert len(cpu_stored) == 4  # a's 2 chunks + flood's 2 chunks
     assert cpu_stored[0].block_hashes == BlockHasher(32, "0").block_ids(a)[:8]
+
+
+async def test_cpu_tier_keys_are_hashed_once_per_request(make_engine: Factory) -> None:
+    # a request that waits at the head of the queue looks the tier up at every step: its chunk
+    # keys are hashed once (they cost real time, which the simulator's clock would count)
+    engine, _ = make_engine(num_blocks=20, block_size=32, cpu_blocks=64)
+    tier = engine.cpu
+    assert tier is not None
+    hashed: list[int] = []
+    lookups: list[int] = []
+    chunk_keys, lookup_prefix = tier.chunk_keys, tier.lookup_prefix
+
+    def counting_keys(tokens: Sequence[int], salt: str | None) -> list[str]:
+        hashed.append(len(tokens))
+        return chunk_keys(tokens, salt)
+
+    def counting_lookup(
+        tokens: Sequence[int], salt: str | None, keys: Sequence[str] | None = None
+    ) -> int:
+        lookups.append(len(tokens))
+        return lookup_prefix(tokens, salt, keys)
+
+    tier.chunk_keys = counting_keys  # type: ignore[method-assign]
+    tier.lookup_prefix = counting_lookup  # type: ignore[method-assign]
+    # 18 of the 19 usable blocks, 19 with its 30 output tokens: the waiter (16 blocks) waits
+    hog = engine.add_request(
+        list(range(20_000, 20_560)), max_tokens=30, ignore_eos=True, reply=REPLY
+    )
+    await hog.outputs.get()
+    waiter = engine.add_request(list(range(30_000, 30_512)), max_tokens=1, reply=REPLY)
+    await asyncio.gather(drain(hog), drain(waiter))
+    assert lookups.count(512) > 5  # looked up at every step it waited
+    assert hashed.count(512) == 1  # ... and at its store: hashed once
 
 
 def test_cpu_tier_lru_respects_pins() -> None:

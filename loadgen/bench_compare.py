@@ -206,7 +206,7 @@ async def _scrape(url: str, keep: Path | None = None) -> dict[str, float]:
     return parse_counters(text, EXTRA_COUNTERS)
 
 
-def _write_text(path: Path, text: str) -> None:
+def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff ASYNC240)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
@@ -348,7 +348,7 @@ async def _run_round(
     return doc
 
 
-# figures aggregated over rounds: (entry path, shown as)
+# figures aggregated over rounds, as paths into a target's entry
 AGGREGATED: tuple[tuple[str, ...], ...] = (
     ("hit_rate",),
     ("hit_rate_vs_base_pp",),

@@ -79,10 +79,10 @@ async def _forward(
         drop_auth=rt.tenants.multi_tenant,
     )
     reg = None
-    if registering is not None and len(rt.pool.engines) > 1:
-        reg = await registering
     chain: list[bytes] = []
-    if len(rt.pool.engines) > 1:
+    if len(rt.pool.engines) > 1:  # placement needs the session and the prompt's prefix chain
+        if registering is not None:
+            reg = await registering
         chain = hash_chain(body, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
     gate, ticket = rt.dispatch, None

@@ -221,7 +221,7 @@ class Runtime:
         known = upserted is not None and (upserted.engine or upserted.parent_engine)
         if not seen and (chain or not known):
             return ranked  # nothing ties it to a replica: least loaded, round robin on ties
-        by_prompt = seen or bool(chain)
+        by_prompt = seen  # past the return above, an unseen request has no chain
         decision = route(
             candidates,
             RouteRequest(

@@ -64,10 +64,12 @@ def agent_body(prompt_chars: int) -> dict[str, Any]:
     if prompt_chars <= 0:
         return BODY
     words = ("tool", "call", "result", "agent", "file", "search", "edit", "plan", "test", "run")
-    text, i = [], 0
-    while sum(map(len, text)) + len(text) < prompt_chars:
+    text: list[str] = []
+    size = 0
+    while size < prompt_chars:
+        i = len(text)
         text.append(f"{words[i % len(words)]}{i % 97}")
-        i += 1
+        size += len(text[-1]) + 1
     system = " ".join(text)[:prompt_chars]
     return {**BODY, "messages": [{"role": "system", "content": system}, *BODY["messages"]]}
 

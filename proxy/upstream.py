@@ -45,14 +45,14 @@ class Engine:
     last_error: str | None = None
     last_check: float = 0.0
     models: list[str] = field(default_factory=list)
+    name: str = field(init=False)  # the spec's label, read on every request: computed once
+
+    def __post_init__(self) -> None:
+        self.name = self.spec.label
 
     @property
     def url(self) -> str:
         return self.spec.url
-
-    @property
-    def name(self) -> str:
-        return self.spec.label
 
 
 def make_client(cfg: UpstreamSettings) -> aiohttp.ClientSession:

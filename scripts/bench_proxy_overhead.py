@@ -4,7 +4,10 @@
 Targets, all in front of the SAME fast upstream (a tiny OpenAI-compatible server that answers
 immediately), each in its own process: ``direct`` (no proxy), ``kvkeeper`` unhinted, ``kvkeeper``
 hinted (agent_hint session + TTL: a Redis Lua upsert before forwarding, usage + context recorded
-after), and the Rust ``vllm-router`` (PyPI 0.1.17, ``--policy cache_aware``) when installed.
+after), the Rust ``vllm-router`` (PyPI 0.1.17, ``--policy cache_aware``) when installed, and
+``aiohttp-floor``: the barest reverse proxy the mandated stack allows (an aiohttp handler that
+reads the body, posts it upstream with one shared aiohttp client and returns the answer, on
+uvloop: no hints, headers, metrics or Redis), the floor any aiohttp proxy starts from.
 
 For concurrency 1, 16 and 128 it reports p50/p99 latency added over ``direct``, throughput
 relative to ``direct``, and CPU time per request of the proxy process (from /proc, the figure
@@ -98,6 +101,42 @@ def serve_upstream(port: int) -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def serve_floor(port: int, upstream: str) -> None:
+    """The ``aiohttp-floor`` target: forward and answer, nothing else."""
+    from aiohttp import web
+
+    client: aiohttp.ClientSession | None = None
+
+    async def forward(request: web.Request) -> web.Response:
+        assert client is not None
+        body = await request.read()
+        async with client.post(
+            upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+        ) as r:
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def open_client(app: web.Application) -> Any:
+        nonlocal client
+        client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await client.close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(open_client)
+    app.router.add_post("/v1/chat/completions", forward)
+    app.router.add_get("/health", health)
     try:
         import uvloop
 
@@ -235,8 +274,11 @@ async def main() -> None:
     args = ap.parse_args()
 
     up_port, kvk_port, router_port, redis_port = free_port(), free_port(), free_port(), free_port()
+    floor_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     procs = [spawn([sys.executable, __file__, "--serve-upstream", str(up_port)])]
+    floor = spawn([sys.executable, __file__, "--serve-floor", str(floor_port), upstream])
+    procs.append(floor)
     redis = spawn(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"])
     procs.append(redis)
     kvk = spawn(
@@ -260,6 +302,7 @@ async def main() -> None:
         "direct": (upstream, None, False),
         "kvkeeper": (f"http://127.0.0.1:{kvk_port}", kvk.pid, False),
         "kvkeeper+hints": (f"http://127.0.0.1:{kvk_port}", kvk.pid, True),
+        "aiohttp-floor": (f"http://127.0.0.1:{floor_port}", floor.pid, False),
     }
     router = None
     if args.router:
@@ -283,6 +326,7 @@ async def main() -> None:
     try:
         await wait_http(upstream + "/health")
         await wait_http(f"http://127.0.0.1:{kvk_port}/healthz")
+        await wait_http(f"http://127.0.0.1:{floor_port}/health")
         if router:
             await wait_http(f"http://127.0.0.1:{router_port}/health", 120)
         results: dict[str, dict[str, Any]] = {}
@@ -347,6 +391,14 @@ async def main() -> None:
                 )
                 if "vllm-router" in row
                 else None,
+                "floor_cpu_over_router_cpu": (
+                    row["aiohttp-floor"]["cpu_us_per_request"]
+                    / row["vllm-router"]["cpu_us_per_request"]
+                )
+                if "vllm-router" in row
+                else None,
+                "hinted_cpu_over_floor_cpu": hinted["cpu_us_per_request"]
+                / row["aiohttp-floor"]["cpu_us_per_request"],
             }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
@@ -384,7 +436,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     for c, row in results.items():
         r = row["_ratios"]
         lines.append(
-            f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}"
+            f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}; aiohttp-floor CPU / vllm-router CPU = {r['floor_cpu_over_router_cpu'] or float('nan'):.2f}"
         )
     return "\n".join(lines)
 
@@ -392,5 +444,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve-upstream":
         serve_upstream(int(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "--serve-floor":
+        serve_floor(int(sys.argv[2]), sys.argv[3])
     else:
         asyncio.run(main())

@@ -376,7 +376,7 @@ class Retention:
             return
         blocks: dict[tuple[str, str], tuple[int, ...]] = {}
         for i, s in enumerate(sessions):
-            if i % 256 == 255:
+            if i % 128 == 127:
                 await asyncio.sleep(0)  # a long list must not hold the data plane's loop
             blocks[(s.tenant, s.session_id)] = await self.blocks_of(
                 s.tenant, s.session_id, s, active_s=self.settings.relearn_idle_s

@@ -15,8 +15,9 @@ Multi-key updates are Lua scripts (``proxy/lua``). Connection failures raise
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
@@ -163,7 +164,7 @@ def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len
     )
 
 
-def _brief(row: list[Any]) -> Session:
+def _brief(row: Sequence[Any]) -> Session:
     """A session from ``protected.lua``'s row: tenant, then the ``_BRIEF`` fields in order."""
     tenant, sid, state, engine, ttl, ttl_until, created, seen, used, touch, parent, lpt = row
     return Session(
@@ -209,6 +210,7 @@ class SessionStore:
         self._cooldown_s = cooldown_s
         self._down_until = 0.0
         self._on_error = on_error
+        self._briefs: dict[tuple[Any, ...], Session] = {}  # protected() rows already decoded
         self.scripts = ScriptBatcher(redis, {name: _script(f"{name}.lua") for name in _SCRIPTS})
 
     # --- keys ---------------------------------------------------------------------------------
@@ -457,7 +459,24 @@ class SessionStore:
         args: list[str | int] = [repr(now), limit, self.ns, *_BRIEF]
         flat = await self._call(lambda: self.scripts.call("protected", keys, args))
         width = 1 + len(_BRIEF)
-        return [_brief(flat[i : i + width]) for i in range(0, len(flat), width)]
+        # The retention worker asks every tick and a paused session's row has not changed since
+        # the last answer: a row seen before reuses its decoded (immutable) Session. Decoding
+        # them all again cost ~3 µs a row in one block of the event loop (1.6 ms for 500
+        # protected sessions, twice a second: the data plane's p99 doubled).
+        seen, fresh, out = self._briefs, {}, []
+        decoded = 0
+        for i in range(0, len(flat), width):
+            row = tuple(flat[i : i + width])
+            session = seen.get(row)
+            if session is None:
+                session = _brief(row)
+                decoded += 1
+                if decoded % 128 == 0:
+                    await asyncio.sleep(0)  # changed rows: the data plane runs in between
+            fresh[row] = session
+            out.append(session)
+        self._briefs = fresh
+        return out
 
     async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:
         """The session's block-hash list (packed 8-byte ints), for residency lookups."""

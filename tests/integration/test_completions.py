@@ -110,3 +110,31 @@ async def test_proxy_writes_many_requests_in_few_round_trips(
         prompt = len(json.dumps(CHAT["messages"])) // 4  # the fake engine's count
         assert total == n * prompt
         assert 1 <= writer.writes < n // 4
+
+
+async def test_protected_reuses_rows_that_did_not_change(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """The retention worker reads every protected session each tick; a session whose stored
+    fields did not change comes back as the same decoded object, a changed one is decoded anew
+    and carries the new values."""
+    store = _store(redis_server.url, namespace)
+    writer = CompletionWriter(store, interval_s=10)
+    try:
+        now = time.time()
+        for sid in ("a", "b", "c"):
+            await store.upsert("t", Hint(session_id=sid, ttl_s=300), now)
+        first = {s.session_id: s for s in await store.protected(time.time())}
+        assert sorted(first) == ["a", "b", "c"]
+        await _add(writer, "b", 100, 0, "e9")
+        await writer.flush()
+        second = {s.session_id: s for s in await store.protected(time.time())}
+        assert second["a"] is first["a"] and second["c"] is first["c"]
+        assert second["b"] is not first["b"]
+        assert second["b"].engine == "e9" and second["b"].last_prompt_tokens == 100
+        await store.free("t", "c")
+        third = {s.session_id: s for s in await store.protected(time.time())}
+        assert sorted(third) == ["a", "b"] and third["b"] is second["b"]
+    finally:
+        await store.aclose()
+        await store.redis.aclose()

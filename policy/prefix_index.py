@@ -60,6 +60,11 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def size(self, engine: str) -> int:
+        """Chain entries held for ``engine``: how much prompt it was asked to cache."""
+        seen = self._seen.get(engine)
+        return len(seen) if seen else 0
+
     def insert(self, engine: str, chain: Sequence[bytes]) -> None:
         """Record a request sent to ``engine``. Deepest entries first, so a chain's shallower
         entries are the more recent and LRU drops a chain from its end: ``match`` stays a

@@ -143,3 +143,63 @@ def route(
     scores.sort(key=lambda s: (s.overloaded, -s.total, s.name))
     names = tuple(s.name for s in scores)
     return RouteDecision(names[0], names[1:], tuple(scores), _reason(scores[0], cfg))
+
+
+# --- placement by the request's own prompt (no session to follow) -------------------------------
+@dataclass(frozen=True, slots=True)
+class PrefixCandidate:
+    """One replica for a request placed by its prompt: ``matched``: leading prompt chunks of
+    this request it was sent before (likely still cached there); ``cached``: prompt chunks it
+    was sent in all; ``pending``: prompt tokens sent to it whose prefill has not finished."""
+
+    name: str
+    healthy: bool = True
+    matched: int = 0
+    cached: int = 0
+    pending: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPlacementConfig:
+    """``miss_weight``: what a prompt token to compute costs against one already waiting in a
+    replica's queue. 1: the replica where this request's prefill would finish first; above 1,
+    a cached prefix is worth more than the wait (recomputing it elsewhere also takes space
+    from that replica's cache)."""
+
+    miss_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.miss_weight <= 0:
+            raise ValueError("miss_weight must be > 0")
+
+
+def place_by_prefix(
+    candidates: Sequence[PrefixCandidate],
+    chain_len: int,
+    chunk_tokens: float,
+    config: PrefixPlacementConfig | None = None,
+) -> RouteDecision:
+    """Pick a replica for a request of ``chain_len`` prompt chunks (``chunk_tokens`` each).
+
+    Each healthy replica costs the prefill work queued there plus ``miss_weight`` x the tokens
+    of this prompt it would compute (those past its matched prefix): the estimate of when this
+    request's prefill would finish there. Lowest cost first; ties go to the longer match, then
+    to the replica asked to hold less, then by name. Under light load that is the longest
+    match (cache affinity); when the replica holding a prefix has a queue longer than the
+    prefix is worth, the request goes where it starts sooner and the prefix gets a second
+    home. ``reason``: ``prefix`` (the pick has the longest match), ``load`` (a match was passed
+    over for a shorter queue) or ``spread`` (no replica has any of it).
+    """
+    cfg = config or PrefixPlacementConfig()
+    healthy = [c for c in candidates if c.healthy]
+    if not healthy:
+        return RouteDecision(None, (), (), "no_healthy_engine")
+
+    def cost(c: PrefixCandidate) -> float:
+        return c.pending + cfg.miss_weight * max(0, chain_len - c.matched) * chunk_tokens
+
+    ranked = sorted(healthy, key=lambda c: (cost(c), -c.matched, c.cached, c.name))
+    best = max(c.matched for c in healthy)
+    reason = "spread" if best == 0 else "prefix" if ranked[0].matched == best else "load"
+    names = tuple(c.name for c in ranked)
+    return RouteDecision(names[0], names[1:], (), reason)

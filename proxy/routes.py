@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
@@ -34,7 +35,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     """Parse hints, register the session, forward to an engine, stream the answer back."""
     rt = request.app[RUNTIME]
     tenant = rt.tenants.tenant_for(request.headers)
-    parsed = parse_request(request.path, request.headers, await request.read(), rt.settings.limits)
+    raw = await request.read()
+    parsed = parse_request(request.path, request.headers, raw, rt.settings.limits)
     hint = parsed.hint
     registering: asyncio.Task[Registration] | None = None
     if hint is not None:
@@ -47,7 +49,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     session = (tenant, hint.session_id) if hint is not None else None
     try:
         resp, engine, usage, reg = await _forward(
-            rt, request, parsed.body, registering, session, bool(hint and hint.edits)
+            rt, request, parsed.body, raw, registering, session, bool(hint and hint.edits)
         )
     finally:
         if registering is not None and not registering.done():
@@ -61,14 +63,18 @@ async def _forward(
     rt: Runtime,
     request: web.Request,
     body: bytes,
+    raw: bytes,
     registering: asyncio.Task[Registration] | None,
     session: tuple[str, str] | None,
     edits: bool,
 ) -> tuple[web.StreamResponse, Engine, Usage | None, Registration | None]:
-    """Send the request to the chosen engine (failing over) and relay its answer.
+    """Send the request (``body``, hints stripped) to the chosen engine (failing over) and
+    relay its answer. Placement hashes the client's ``raw`` body: stripping a hint re-serializes
+    the JSON, and the same prompt sent with and without a hint must find the same replica.
 
-    A hinted request waits for its registration before choosing an engine only when there is a
-    choice to make; either way the outcome header needs it before the answer's headers go out.
+    A hinted request waits for its registration before choosing an engine only when the choice
+    depends on the session (several engines, a prompt too short to place by its prefix); either
+    way the outcome header needs it before the answer's headers go out.
     """
     route = request.path
     request_id = request.headers.get("X-Request-Id") or os.urandom(16).hex()
@@ -80,24 +86,32 @@ async def _forward(
     )
     reg = None
     chain: list[bytes] = []
-    if len(rt.pool.engines) > 1:  # placement needs the session and the prompt's prefix chain
-        if registering is not None:
+    if len(rt.pool.engines) > 1:  # placement by the prompt's prefix chain, else by the session
+        chain = hash_chain(raw, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
+        if registering is not None and not chain:
             reg = await registering
-        chain = hash_chain(body, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
     gate, ticket = rt.dispatch, None
     if gate is not None and order:
         cost = rt.uncached_estimate(order[0].name, len(body), session)
         ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
+    prefill = None
+    if chain and order:  # recorded now: requests placed while this one waits must see them
+        prefill = _Prefill(rt, order[0].name, len(body), chain)
+        rt.prefixes.insert(order[0].name, chain)
     try:
         sent_at = time.perf_counter()
         engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
         rt.metrics.child(rt.metrics.engine_requests, engine.name).inc()
-        if chain:
+        if prefill is not None and engine is not order[0]:  # failed over
+            prefill.release()
+            prefill = _Prefill(rt, engine.name, len(body), chain)
             rt.prefixes.insert(engine.name, chain)
     except BaseException:
         if gate is not None and ticket is not None:
             gate.leave(ticket)
+        if prefill is not None:
+            prefill.release()
         raise
     try:
         if registering is not None and reg is None:
@@ -113,8 +127,12 @@ async def _forward(
                 code="upstream_error",
             )
         sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
-        if gate is not None and ticket is not None:
-            sniffer.on_first_byte = functools.partial(gate.started, ticket)
+        sniffer.on_first_byte = _first_byte_hook(
+            functools.partial(gate.started, ticket)
+            if gate is not None and ticket is not None
+            else None,
+            prefill.release if prefill is not None else None,
+        )
         resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
     except BaseException:  # client gone, cancelled or refused: drop the engine's connection now
         upstream.close()
@@ -124,6 +142,8 @@ async def _forward(
         upstream.release()
         if gate is not None and ticket is not None:
             gate.leave(ticket)
+        if prefill is not None:
+            prefill.release()
     if sniffer.first_byte_at is not None:
         rt.metrics.child(rt.metrics.ttft, route).observe(sniffer.first_byte_at - sent_at)
     rt.metrics.child(rt.metrics.upstream_latency, route).observe(time.perf_counter() - sent_at)
@@ -133,6 +153,34 @@ async def _forward(
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
     return resp, engine, usage, reg
+
+
+class _Prefill:
+    """A request's uncached prompt tokens counted as prefill queued at its engine (placement
+    weighs them), released once: at the first byte back, or when the request ends without."""
+
+    __slots__ = ("engine", "rt", "tokens")
+
+    def __init__(self, rt: Runtime, engine: str, body_bytes: int, chain: list[bytes]) -> None:
+        self.rt, self.engine = rt, engine
+        self.tokens = rt.prefill_started(engine, body_bytes, chain)
+
+    def release(self) -> None:
+        if self.tokens:
+            self.rt.prefill_done(self.engine, self.tokens)
+            self.tokens = 0.0
+
+
+def _first_byte_hook(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
+    live = [h for h in hooks if h is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def run() -> None:
+        for hook in live:
+            hook()
+
+    return run
 
 
 async def _relay(

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from policy.prefix_index import PrefixIndex
-from policy.routing import EngineCandidate, RouteRequest, route
+from policy.routing import (
+    EngineCandidate,
+    PrefixCandidate,
+    PrefixPlacementConfig,
+    RouteDecision,
+    RouteRequest,
+    place_by_prefix,
+    route,
+)
 from proxy.auth import TenantMap
 from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor, UnsupportedEdits
@@ -56,6 +64,8 @@ class Runtime:
     dispatch: DispatchGate | None = None
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prompt chunks sent per engine
     bytes_per_token: float = 4.0  # request body bytes per prompt token, learned from usage
+    # per engine: uncached prompt tokens sent whose first byte has not come back (placement)
+    prefill_pending: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
@@ -154,13 +164,16 @@ class Runtime:
     ) -> list[Engine]:
         """The engines to try, best first.
 
-        With several engines and the retention layer, ``policy.routing`` places the request:
-        the session's affinity, its parent's engine, the replica holding the longest prefix of
-        it (the session's resident blocks from the residency index, or the request's own
-        ``chain`` of prompt-chunk hashes in the prefix index: how the first request of a new
-        session finds the replica that already holds its shared system prompt), and load.
-        Otherwise: a known session's engine, its parent's, then the least loaded, round robin
-        on ties.
+        With several engines, a request is placed by its own prompt when it has a ``chain`` of
+        prompt-chunk hashes (``policy.routing.place_by_prefix``, vllm-router's ``cache_aware``
+        rule): the replica that was sent the longest prefix of it when that covers enough of
+        the prompt, else the replica asked to hold the least, unless load is badly out of
+        balance. The prompt is the evidence, not the session: an agent session calling
+        sub-agents with other system prompts has different prefixes on different replicas, and
+        following the session piled every shared prompt, then all traffic, onto one replica.
+        Without a chain (a prompt under one chunk): the session's affinity, its parent's engine
+        and its resident blocks (``policy.routing.route``, with the retention layer), else the
+        least loaded engine, round robin on ties.
         """
         engines = self.pool.engines
         start = next(self._rr) % len(engines)
@@ -168,8 +181,10 @@ class Runtime:
         ranked = sorted(rotated, key=lambda e: (not e.healthy, e.inflight))
         if len(engines) == 1:
             return ranked
-        if self.retention is not None and (upserted is not None or chain):
-            return self._placed(upserted, session, ranked, chain)
+        if chain:
+            return self._by_prompt(ranked, chain)
+        if self.retention is not None and upserted is not None:
+            return self._placed(upserted, session, ranked)
         if upserted is None:
             return ranked
         preferred: list[Engine] = []
@@ -179,28 +194,57 @@ class Runtime:
                 preferred.append(eng)
         return preferred + [e for e in ranked if e not in preferred]
 
+    def _by_prompt(self, ranked: list[Engine], chain: Sequence[bytes]) -> list[Engine]:
+        decision = place_by_prefix(
+            [
+                PrefixCandidate(
+                    name=e.name,
+                    healthy=e.healthy,
+                    matched=self.prefixes.match(e.name, chain),
+                    cached=self.prefixes.size(e.name),
+                    pending=self.prefill_pending.get(e.name, 0.0),
+                )
+                for e in ranked
+            ],
+            len(chain),
+            self.chunk_tokens,
+            PrefixPlacementConfig(miss_weight=self.settings.placement.miss_weight),
+        )
+        return self._ordered(decision, ranked)
+
+    @property
+    def chunk_tokens(self) -> float:
+        """Prompt tokens in one prefix-index chunk (learned bytes per token)."""
+        return PREFIX_CHUNK_BYTES / max(self.bytes_per_token, 0.5)
+
+    def prefill_started(self, engine: str, body_bytes: int, chain: Sequence[bytes]) -> float:
+        """Count a request's uncached prompt tokens as prefill queued at ``engine`` (an
+        estimate from its size and its matched prefix); returns the amount, for
+        ``prefill_done``."""
+        total = body_bytes / max(self.bytes_per_token, 0.5)
+        tokens = max(0.0, total - self.prefixes.match(engine, chain) * self.chunk_tokens)
+        self.prefill_pending[engine] = self.prefill_pending.get(engine, 0.0) + tokens
+        return tokens
+
+    def prefill_done(self, engine: str, tokens: float) -> None:
+        """The request's first byte came back (its prefill ran), or it ended without one."""
+        self.prefill_pending[engine] = max(0.0, self.prefill_pending.get(engine, 0.0) - tokens)
+
+    def _ordered(self, decision: RouteDecision, ranked: list[Engine]) -> list[Engine]:
+        order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]
+        return order + [e for e in ranked if e not in order]  # unhealthy ones last
+
     def _placed(
-        self,
-        upserted: Upserted | None,
-        session: tuple[str, str] | None,
-        ranked: list[Engine],
-        chain: Sequence[bytes],
+        self, upserted: Upserted, session: tuple[str, str] | None, ranked: list[Engine]
     ) -> list[Engine]:
+        """A session's request without a prompt chain: its affinity, its parent's engine and
+        where its learned blocks are resident, weighed against load."""
         assert self.retention is not None
         blocks = self.retention.known_blocks(*session) if session is not None else ()
-        block_size = self.retention.engines[ranked[0].name].adapter.cache.block_size
-        chunk_blocks = PREFIX_CHUNK_BYTES / max(self.bytes_per_token, 0.5) / block_size
         candidates = []
         for engine in ranked:
             es = self.retention.engines[engine.name]
             load = es.load
-            # The request's own prompt chain is the evidence when there is one: the session's
-            # learned blocks are its previous context, which this call may not extend (an
-            # agent session calling a sub-agent with another system prompt).
-            if chain:
-                resident = int(self.prefixes.match(engine.name, chain) * chunk_blocks)
-            else:
-                resident = es.index.resident_prefix(blocks) if blocks else 0
             candidates.append(
                 EngineCandidate(
                     name=engine.name,
@@ -208,30 +252,22 @@ class Runtime:
                     kv_cache_usage=(load.kv_cache_usage or 0.0) if load else 0.0,
                     waiting=(load.waiting or 0.0) if load else 0.0,
                     running=max(float(engine.inflight), (load.running or 0.0) if load else 0.0),
-                    resident_prefix_blocks=resident,
+                    resident_prefix_blocks=es.index.resident_prefix(blocks) if blocks else 0,
                 )
             )
-        # With a prompt chain, the chain is the evidence: where the request's own prompt was
-        # seen, that is where its KV is, and a prompt no replica has seen goes to the least
-        # loaded one. A session's or its parent's engine stand in only without a chain. (An
-        # agent session calling sub-agents with different system prompts has different
-        # prefixes on different replicas: pinning each new prompt to the session's replica
-        # piled every shared prompt, and then all traffic, onto one replica.)
-        seen = any(c.resident_prefix_blocks for c in candidates)
-        known = upserted is not None and (upserted.engine or upserted.parent_engine)
-        if not seen and (chain or not known):
+        if not (upserted.engine or upserted.parent_engine) and not any(
+            c.resident_prefix_blocks for c in candidates
+        ):
             return ranked  # nothing ties it to a replica: least loaded, round robin on ties
-        by_prompt = seen  # past the return above, an unseen request has no chain
         decision = route(
             candidates,
             RouteRequest(
-                prompt_blocks=max(len(blocks), int(len(chain) * chunk_blocks)),
-                affinity=None if by_prompt or upserted is None else upserted.engine,
-                parent_engine=None if by_prompt or upserted is None else upserted.parent_engine,
+                prompt_blocks=len(blocks),
+                affinity=upserted.engine,
+                parent_engine=upserted.parent_engine,
             ),
         )
-        order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]
-        return order + [e for e in ranked if e not in order]  # unhealthy ones last
+        return self._ordered(decision, ranked)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

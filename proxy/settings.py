@@ -120,6 +120,16 @@ class RetentionSettings(BaseModel):
     block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
 
 
+class PlacementSettings(BaseModel):
+    """Where a request goes when there are several engines (``policy.routing.place_by_prefix``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # what a prompt token to compute costs against one already queued at a replica: higher
+    # keeps prefixes where they are (hit rate), lower follows the shorter queue (TTFT)
+    miss_weight: float = Field(default=1.0, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything ``kvkeeper serve`` needs."""
 
@@ -138,6 +148,7 @@ class Settings(BaseSettings):
     limits: Limits = Field(default_factory=Limits)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = "INFO"
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -9,6 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from loadgen.sim import SimConfig, run_simulator
 from proxy.app import create_app
+from proxy.runtime import RUNTIME
 from proxy.settings import load_settings
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt
@@ -63,3 +65,46 @@ async def test_sessions_stay_children_follow_and_unhinted_spread(
             hint = {"session_id": f"n{i}"} if i % 2 else None
             engine, answer = await send(prompt(500) + [3 + i] * 10, hint)
             assert engine == first and cached(answer) >= 1984
+        # (with and without a hint: the hinted body is re-serialized when the hint is stripped,
+        # placement hashes what the client sent)
+        rt = client.server.app[RUNTIME]
+        assert all(v == 0 for v in rt.prefill_pending.values())  # every request released its
+        assert set(rt.prefill_pending) == {e.name for e in rt.pool.engines}  # queued prefill
+
+
+async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Placement weighs a replica's queued prefill against the prefix it holds: requests that
+    share a prefix follow it while its replica keeps up, and go to the other replica (which
+    then holds the prefix too) when the queue there outweighs what the prefix saves."""
+    async with AsyncExitStack() as stack:
+        sims = [
+            await stack.enter_async_context(
+                run_simulator(SimConfig(num_blocks=2000, speed=50, reply_tokens=1))
+            )
+            for _ in range(2)
+        ]
+        settings = load_settings(
+            engines=[{"url": s.url, "events": s.events_endpoint} for s in sims],
+            redis_url=redis_server.url,
+            namespace=namespace,
+            health_interval_s=60,
+        )
+        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
+        await client.start_server()
+        stack.push_async_callback(client.close)
+
+        async def send(tokens: list[int]) -> str:
+            body = {"model": "sim", "prompt": tokens, "max_tokens": 1}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200
+            await resp.read()
+            return str(resp.headers["X-KVKeeper-Engine"])
+
+        home = await send(prompt(7))
+        assert await send(prompt(7) + [5] * 64) == home  # idle: the prefix decides
+        # a burst of long requests with the prefix, all at once: once the home replica's queued
+        # prefill exceeds what the 2K-token prefix saves, the rest go to the other replica
+        burst = await asyncio.gather(*(send(prompt(7) + [9 + i] * 3000) for i in range(6)))
+        assert burst[0] == home and len(set(burst)) == 2

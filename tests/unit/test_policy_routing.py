@@ -6,10 +6,13 @@ import pytest
 
 from policy.routing import (
     EngineCandidate,
+    PrefixCandidate,
+    PrefixPlacementConfig,
     RouteRequest,
     RoutingConfig,
     is_overloaded,
     load_score,
+    place_by_prefix,
     route,
     score_engine,
 )
@@ -142,3 +145,43 @@ def test_ranking_lists_every_healthy_engine_once() -> None:
     assert decision.engine is not None
     assert sorted((decision.engine, *decision.failover)) == sorted(c.name for c in cands)
     assert [s.name for s in decision.scores] == [decision.engine, *decision.failover]
+
+
+# --- placement by the request's own prompt ---------------------------------------------------
+P = PrefixCandidate
+
+
+@pytest.mark.parametrize(
+    ("candidates", "engine", "failover", "reason"),
+    [
+        # idle replicas: the longest match, however much the replica holds
+        ([P("a", matched=3, cached=900), P("b", cached=10)], "a", ("b",), "prefix"),
+        ([P("a", matched=4), P("b", matched=6)], "b", ("a",), "prefix"),
+        # a match is worth its tokens of queue: 6 chunks x 100 tokens = 600
+        ([P("a", matched=6, pending=500), P("b")], "a", ("b",), "prefix"),
+        ([P("a", matched=6, pending=700), P("b")], "b", ("a",), "load"),
+        # equal cost: the longer match
+        ([P("a", matched=6, pending=600), P("b")], "a", ("b",), "prefix"),
+        # nobody has it: the shorter queue, then the replica asked to hold less, then the name
+        ([P("a", pending=50, cached=1), P("b", pending=10, cached=99)], "b", ("a",), "spread"),
+        ([P("a", cached=50), P("b", cached=40)], "b", ("a",), "spread"),
+        ([P("b", cached=5), P("a", cached=5)], "a", ("b",), "spread"),
+        # unhealthy replicas are never returned
+        ([P("a", healthy=False, matched=10), P("b")], "b", (), "spread"),
+        ([P("a", healthy=False)], None, (), "no_healthy_engine"),
+    ],
+)
+def test_place_by_prefix(
+    candidates: list[PrefixCandidate], engine: str | None, failover: tuple[str, ...], reason: str
+) -> None:
+    decision = place_by_prefix(candidates, 10, 100.0)
+    assert (decision.engine, decision.failover, decision.reason) == (engine, failover, reason)
+
+
+def test_place_by_prefix_miss_weight_values_the_cache_above_the_queue() -> None:
+    busy_holder = [P("a", matched=6, pending=900), P("b")]
+    assert place_by_prefix(busy_holder, 10, 100.0).engine == "b"  # 900 > 600
+    heavier = PrefixPlacementConfig(miss_weight=2.0)  # the 600 tokens now weigh 1200
+    assert place_by_prefix(busy_holder, 10, 100.0, heavier).engine == "a"
+    with pytest.raises(ValueError, match="miss_weight"):
+        PrefixPlacementConfig(miss_weight=0)

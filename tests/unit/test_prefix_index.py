@@ -30,8 +30,11 @@ def test_match_is_the_deepest_chunk_an_engine_was_sent() -> None:
     idx.insert("b", short)
     assert idx.match("a", long) == len(long) and idx.match("b", long) == 10
     assert idx.match("c", long) == 0 and idx.match("a", []) == 0
+    assert (idx.size("a"), idx.size("b"), idx.size("c")) == (len(long), 10, 0)
+    idx.insert("b", long)  # shared entries count once: what the engine is asked to hold
+    assert idx.size("b") == len(long)
     idx.forget("a")
-    assert idx.match("a", long) == 0
+    assert idx.match("a", long) == 0 and idx.size("a") == 0
 
 
 def test_lru_drops_chains_from_their_end_so_matches_stay_prefixes() -> None:
@@ -41,4 +44,4 @@ def test_lru_drops_chains_from_their_end_so_matches_stay_prefixes() -> None:
     idx.insert("a", old)
     idx.insert("a", new)  # 40 entries for 30 places: 10 of the old chain go, deepest first
     assert idx.match("a", new) == 20
-    assert idx.match("a", old) == 10
+    assert idx.match("a", old) == 10 and idx.size("a") == 30

@@ -101,6 +101,13 @@ def serve_upstream(port: int) -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    _run(app, port)
+
+
+def _run(app: Any, port: int) -> None:
+    """Serve ``app`` on uvloop when installed, quietly (the bench servers' own processes)."""
+    from aiohttp import web
+
     try:
         import uvloop
 
@@ -137,13 +144,7 @@ def serve_floor(port: int, upstream: str) -> None:
     app.cleanup_ctx.append(open_client)
     app.router.add_post("/v1/chat/completions", forward)
     app.router.add_get("/health", health)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    _run(app, port)
 
 
 # --- processes ---------------------------------------------------------------------------------

@@ -16,26 +16,34 @@ from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt
 
 
+async def two_replicas(
+    stack: AsyncExitStack, redis_server: RedisServer, namespace: str, **retention: Any
+) -> TestClient[Any, Any]:
+    """kvkeeper in front of two fast simulated replicas (KV events wired)."""
+    sims = [
+        await stack.enter_async_context(
+            run_simulator(SimConfig(num_blocks=2000, speed=50, reply_tokens=1))
+        )
+        for _ in range(2)
+    ]
+    settings = load_settings(
+        engines=[{"url": s.url, "events": s.events_endpoint} for s in sims],
+        redis_url=redis_server.url,
+        namespace=namespace,
+        health_interval_s=60,
+        retention=retention,
+    )
+    client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
+    await client.start_server()
+    stack.push_async_callback(client.close)
+    return client
+
+
 async def test_sessions_stay_children_follow_and_unhinted_spread(
     redis_server: RedisServer, namespace: str
 ) -> None:
     async with AsyncExitStack() as stack:
-        sims = [
-            await stack.enter_async_context(
-                run_simulator(SimConfig(num_blocks=400, speed=50, reply_tokens=1))
-            )
-            for _ in range(2)
-        ]
-        settings = load_settings(
-            engines=[{"url": s.url, "events": s.events_endpoint} for s in sims],
-            redis_url=redis_server.url,
-            namespace=namespace,
-            health_interval_s=60,
-            retention={"tick_s": 0.05},
-        )
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
-        await client.start_server()
-        stack.push_async_callback(client.close)
+        client = await two_replicas(stack, redis_server, namespace, tick_s=0.05)
 
         async def send(
             tokens: list[int], hint: dict[str, Any] | None = None
@@ -79,21 +87,7 @@ async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
     share a prefix follow it while its replica keeps up, and go to the other replica (which
     then holds the prefix too) when the queue there outweighs what the prefix saves."""
     async with AsyncExitStack() as stack:
-        sims = [
-            await stack.enter_async_context(
-                run_simulator(SimConfig(num_blocks=2000, speed=50, reply_tokens=1))
-            )
-            for _ in range(2)
-        ]
-        settings = load_settings(
-            engines=[{"url": s.url, "events": s.events_endpoint} for s in sims],
-            redis_url=redis_server.url,
-            namespace=namespace,
-            health_interval_s=60,
-        )
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
-        await client.start_server()
-        stack.push_async_callback(client.close)
+        client = await two_replicas(stack, redis_server, namespace)
 
         async def send(tokens: list[int]) -> str:
             body = {"model": "sim", "prompt": tokens, "max_tokens": 1}

@@ -194,8 +194,11 @@ class SessionOps:
         """A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
         re-prefills what neither the engine nor the tier kept. Decline it when that lost part
         is more than ``prefetch_max_pool_share`` of the pool: LRU would evict it (and others'
-        prefixes) again before the resume, which pays for it anyway if it comes. (A resident
-        prefix is still warmed: that costs one token and moves it to LRU's safe end.)"""
+        prefixes) again before the resume, which pays for it anyway if it comes. Decline it
+        too while requests wait at the engine (its pool or its token budget is full): the
+        re-prefill would only move the resume's compute ahead of theirs, and evict what they
+        are about to use. (A resident prefix is still warmed: that costs one token and moves
+        it to LRU's safe end.)"""
         if es.subscriber is None or es.load is None:
             return None
         blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
@@ -213,6 +216,12 @@ class SessionOps:
         if missing > limit:
             detail["limit_blocks"] = int(limit)
             return EditResult(edit, "rejected", "exceeds_prefetch_budget", detail)
+        if missing:
+            load = await self.retention.fresh_load(es)
+            waiting = (load.waiting or 0) if load is not None else 0
+            if waiting > 0:
+                detail["waiting"] = int(waiting)
+                return EditResult(edit, "rejected", "engine_busy", detail)
         return None
 
     async def _pin(self, es: EngineState, session: Session, edit: Edit, ttl_s: float) -> EditResult:

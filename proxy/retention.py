@@ -465,8 +465,9 @@ class Retention:
             if await self.store.expire(tenant, sid, now):
                 self.metrics.expiries.inc()
 
-    async def _scrape(self, es: EngineState, now: float) -> None:
-        if now - es.last_scrape < 2.0:
+    async def _scrape(self, es: EngineState, now: float, max_age_s: float = 2.0) -> None:
+        """Refresh ``es.load`` from the engine's /metrics when it is older than ``max_age_s``."""
+        if now - es.last_scrape < max_age_s:
             return
         es.last_scrape = now
         try:
@@ -483,6 +484,11 @@ class Retention:
                 waiting=m.waiting,
                 running=m.running,
             )
+
+    async def fresh_load(self, es: EngineState, max_age_s: float = 0.5) -> EngineLoad | None:
+        """The engine's load, scraped again when the last reading is older than ``max_age_s``."""
+        await self._scrape(es, time.time(), max_age_s)
+        return es.load
 
     def _horizon(self, es: EngineState, now: float) -> float:
         """The smaller of the fill-time and eviction-age estimates (inf = unknown)."""

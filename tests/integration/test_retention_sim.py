@@ -25,11 +25,11 @@ async def _flood(st, n: int = 8, base: int = 100) -> int:  # type: ignore[no-unt
     return total
 
 
-async def _known_blocks(st, sid: str, i: int = 0) -> None:  # type: ignore[no-untyped-def]
+async def _known_blocks(st, sid: str, i: int = 0, n: int = 63) -> None:  # type: ignore[no-untyped-def]
     retention = st.runtime(i).retention
 
     async def known() -> bool:
-        return len(await retention.blocks_of("default", sid)) == 63
+        return len(await retention.blocks_of("default", sid)) == n
 
     assert await wait_for(known), "retention never learned the session's blocks"
 
@@ -348,3 +348,34 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
             return st.sim.engine.stats.finished.get("abort", 0) == 1
 
         assert await wait_for(aborted), st.sim.engine.stats.finished
+
+
+async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, namespace: str) -> None:
+    """A warm-up that must re-prefill is declined while requests wait at the engine: it would
+    only move the resume's compute ahead of theirs. Once the queue drains it runs."""
+    async with sim_stack(redis_server.url, namespace) as st:  # 200-block pool, no tier
+        await st.complete(prompt(1, 1000), {"session_id": "w"})  # 31 blocks
+        await _known_blocks(st, "w", n=31)
+        await _flood(st)  # LRU takes them: a warm-up would re-prefill 31 blocks (fits the budget)
+        fast = st.sim.engine.config
+        st.sim.engine.config = replace(fast, speed=4.0)  # 5x slower: requests queue up
+        queued = [asyncio.create_task(st.complete(prompt(300 + i))) for i in range(4)]
+
+        retention = st.runtime().retention
+        assert retention is not None
+        es = next(iter(retention.engines.values()))
+
+        async def waiting() -> bool:  # as kvkeeper reads it (at most half a second old)
+            load = await retention.fresh_load(es)
+            return load is not None and (load.waiting or 0) > 0 and len(st.sim.engine.waiting) > 0
+
+        assert await wait_for(waiting), "nothing ever waited at the engine"
+        busy = (await st.manage("w", "prefetch"))["results"][0]
+        assert busy["status"] == "rejected" and busy["reason"] == "engine_busy", busy
+        assert busy["detail"]["waiting"] >= 1 and busy["detail"]["missing_blocks"] == 31
+        assert await st.metric("kvkeeper_warmup_prompt_tokens_total") == 0  # none sent
+        st.sim.engine.config = fast
+        await asyncio.gather(*queued)
+        await asyncio.sleep(0.6)  # the load reading ages past its half second
+        idle = (await st.manage("w", "prefetch"))["results"][0]
+        assert idle["status"] == "applied", idle

@@ -69,6 +69,10 @@ class Runtime:
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
+    _placement: PrefixPlacementConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._placement = PrefixPlacementConfig(miss_weight=self.settings.placement.miss_weight)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run work off the hot path; keep a reference so it is not collected mid-flight."""
@@ -165,12 +169,12 @@ class Runtime:
         """The engines to try, best first.
 
         With several engines, a request is placed by its own prompt when it has a ``chain`` of
-        prompt-chunk hashes (``policy.routing.place_by_prefix``, vllm-router's ``cache_aware``
-        rule): the replica that was sent the longest prefix of it when that covers enough of
-        the prompt, else the replica asked to hold the least, unless load is badly out of
-        balance. The prompt is the evidence, not the session: an agent session calling
-        sub-agents with other system prompts has different prefixes on different replicas, and
-        following the session piled every shared prompt, then all traffic, onto one replica.
+        prompt-chunk hashes (``policy.routing.place_by_prefix``): the replica where its prefill
+        would finish first, counting the prefill already queued there and the part of this
+        prompt that replica was never sent. The prompt is the evidence, not the session: an
+        agent session calling sub-agents with other system prompts has different prefixes on
+        different replicas, and following the session piled every shared prompt, then all
+        traffic, onto one replica.
         Without a chain (a prompt under one chunk): the session's affinity, its parent's engine
         and its resident blocks (``policy.routing.route``, with the retention layer), else the
         least loaded engine, round robin on ties.
@@ -208,7 +212,7 @@ class Runtime:
             ],
             len(chain),
             self.chunk_tokens,
-            PrefixPlacementConfig(miss_weight=self.settings.placement.miss_weight),
+            self._placement,
         )
         return self._ordered(decision, ranked)
 

@@ -25,6 +25,13 @@ async def _flood(st, n: int = 8, base: int = 100) -> int:  # type: ignore[no-unt
     return total
 
 
+def _engine_state(st):  # type: ignore[no-untyped-def]
+    """The retention layer of the stack's proxy and its (only) engine's state."""
+    retention = st.runtime().retention
+    assert retention is not None
+    return retention, next(iter(retention.engines.values()))
+
+
 async def _known_blocks(st, sid: str, i: int = 0, n: int = 63) -> None:  # type: ignore[no-untyped-def]
     retention = st.runtime(i).retention
 
@@ -212,9 +219,7 @@ async def test_a_touch_resends_only_the_resident_prefix(
     async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
         hint = {"session_id": "part", "cache_control": {"type": "ephemeral", "ttl": 300}}
         await st.complete(prompt(1), hint)
-        retention = st.runtime().retention
-        assert retention is not None
-        es = next(iter(retention.engines.values()))
+        retention, es = _engine_state(st)
         await st.runtime().settle()
         session = await retention.store.get("default", "part")
         assert session is not None
@@ -281,9 +286,7 @@ async def test_prefetch_without_a_tier_warms_only_what_fits(
     async with sim_stack(redis_server.url, namespace) as st:  # 200-block pool, no tier
         await st.complete(prompt(1), {"session_id": "w"})  # 63 blocks, not protected
         await _known_blocks(st, "w")
-        retention = st.runtime().retention
-        assert retention is not None
-        es = next(iter(retention.engines.values()))
+        _, es = _engine_state(st)
         assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
         result = (await st.manage("w", "prefetch"))["results"][0]
         assert result["status"] == "applied" and result["detail"]["cached_tokens"] >= 0.95 * FULL
@@ -307,9 +310,7 @@ async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
         for sid, seed in (("kept", 1), ("lost", 2)):
             await st.complete(prompt(seed), {"session_id": sid})
             await _known_blocks(st, sid)
-        retention = st.runtime().retention
-        assert retention is not None
-        es = next(iter(retention.engines.values()))
+        _, es = _engine_state(st)
         assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
         offload = (await st.manage("kept", "offload"))["results"][0]
         assert offload["status"] == "applied", offload  # its 7 chunks pinned in the tier
@@ -329,9 +330,7 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
     # a simulator 200x slower than the profile: no touch is served within 1 ms
     async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.001) as st:
         await st.complete(prompt(1), {"session_id": "slow", "cache_control": {"ttl": 300}})
-        retention = st.runtime().retention
-        assert retention is not None
-        es = next(iter(retention.engines.values()))
+        retention, es = _engine_state(st)
         await st.runtime().settle()
         session = await retention.store.get("default", "slow")
         assert session is not None
@@ -361,9 +360,7 @@ async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, names
         st.sim.engine.config = replace(fast, speed=4.0)  # 5x slower: requests queue up
         queued = [asyncio.create_task(st.complete(prompt(300 + i))) for i in range(4)]
 
-        retention = st.runtime().retention
-        assert retention is not None
-        es = next(iter(retention.engines.values()))
+        retention, es = _engine_state(st)
 
         async def waiting() -> bool:  # as kvkeeper reads it (at most half a second old)
             load = await retention.fresh_load(es)

@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
@@ -127,12 +126,10 @@ async def _forward(
                 code="upstream_error",
             )
         sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
-        sniffer.on_first_byte = _first_byte_hook(
-            functools.partial(gate.started, ticket)
-            if gate is not None and ticket is not None
-            else None,
-            prefill.release if prefill is not None else None,
-        )
+        if gate is not None and ticket is not None:
+            sniffer.on_first_byte.append(functools.partial(gate.started, ticket))
+        if prefill is not None:
+            sniffer.on_first_byte.append(prefill.release)
         resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
     except BaseException:  # client gone, cancelled or refused: drop the engine's connection now
         upstream.close()
@@ -169,18 +166,6 @@ class _Prefill:
         if self.tokens:
             self.rt.prefill_done(self.engine, self.tokens)
             self.tokens = 0.0
-
-
-def _first_byte_hook(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
-    live = [h for h in hooks if h is not None]
-    if len(live) <= 1:
-        return live[0] if live else None
-
-    def run() -> None:
-        for hook in live:
-            hook()
-
-    return run
 
 
 async def _relay(

@@ -83,14 +83,14 @@ class UsageSniffer:
         self._buf = bytearray()
         self.usage: Usage | None = None
         self.first_byte_at: float | None = None
-        self.on_first_byte: Callable[[], None] | None = None
+        self.on_first_byte: list[Callable[[], None]] = []  # called once, at the first byte
 
     def mark_first_byte(self) -> None:
         """The engine's first body byte reached the proxy (once per response)."""
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
-            if self.on_first_byte is not None:
-                self.on_first_byte()
+            for hook in self.on_first_byte:
+                hook()
 
     def feed(self, chunk: bytes) -> None:
         if not self.enabled:

@@ -40,11 +40,30 @@ def hash_chain(body: bytes, chunk_bytes: int, max_chunks: int) -> list[bytes]:
 
 
 class PrefixIndex:
-    """Per engine: the chain entries it was sent, least recently used dropped beyond capacity."""
+    """Per engine: the chain entries it was sent, least recently used dropped beyond capacity.
+
+    An engine's capacity should be what its KV cache holds, in chunks (``set_limit``): the
+    engine evicts under LRU too, so an index that remembers more than the cache claims prefixes
+    the engine has long dropped, and placement sends their requests to recompute them there.
+    """
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
         self._seen: dict[str, OrderedDict[bytes, None]] = {}
+        self._limits: dict[str, int] = {}
+
+    def limit(self, engine: str) -> int:
+        """The most chain entries held for ``engine``."""
+        return self._limits.get(engine, self.capacity)
+
+    def set_limit(self, engine: str, chunks: int) -> None:
+        """Hold at most ``chunks`` entries for ``engine`` (at least 1, at most ``capacity``);
+        the least recently sent go first."""
+        limit = max(1, min(self.capacity, chunks))
+        self._limits[engine] = limit
+        seen = self._seen.get(engine)
+        while seen and len(seen) > limit:
+            seen.popitem(last=False)
 
     def match(self, engine: str, chain: Sequence[bytes]) -> int:
         """How many leading chunks of ``chain`` were sent to ``engine`` (binary search)."""
@@ -73,7 +92,8 @@ class PrefixIndex:
         for digest in reversed(chain):
             seen[digest] = None
             seen.move_to_end(digest)
-        while len(seen) > self.capacity:
+        limit = self.limit(engine)
+        while len(seen) > limit:
             seen.popitem(last=False)
 
     def forget(self, engine: str) -> None:

@@ -60,6 +60,13 @@ class Metrics:
         self.engine_requests = Counter(
             "kvkeeper_engine_requests", "Requests forwarded, by engine", ["engine"], registry=r
         )
+        self.placements = Counter(
+            "kvkeeper_placements",
+            "Requests placed by their prompt, by engine and reason (prefix: the longest cached "
+            "prefix; load: a match passed over for less queued work; spread: nothing cached)",
+            ["engine", "reason"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "kvkeeper_upstream_errors", "Failed upstream attempts", ["engine", "kind"], registry=r
         )

@@ -332,6 +332,13 @@ class Retention:
             await self.store.set_blocks(session.tenant, session.session_id, payload)
         return blocks
 
+    def pool_tokens(self, engine: str) -> int | None:
+        """Tokens the engine's KV cache holds, once its metrics told its pool size."""
+        es = self.engines.get(engine)
+        if es is None or es.load is None:
+            return None
+        return es.load.pool_blocks * es.adapter.cache.block_size
+
     def known_blocks(self, tenant: str, sid: str) -> tuple[int, ...]:
         """The session's block ids as last learned here (no I/O: for routing decisions)."""
         cached = self._blocks.get((tenant, sid))

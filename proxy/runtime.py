@@ -199,6 +199,11 @@ class Runtime:
         return preferred + [e for e in ranked if e not in preferred]
 
     def _by_prompt(self, ranked: list[Engine], chain: Sequence[bytes]) -> list[Engine]:
+        if self.retention is not None:  # the index remembers what each engine's cache holds
+            for e in ranked:
+                pool = self.retention.pool_tokens(e.name)
+                if pool is not None:
+                    self.prefixes.set_limit(e.name, int(pool / self.chunk_tokens))
         decision = place_by_prefix(
             [
                 PrefixCandidate(
@@ -214,6 +219,8 @@ class Runtime:
             self.chunk_tokens,
             self._placement,
         )
+        if decision.engine is not None:
+            self.metrics.child(self.metrics.placements, decision.engine, decision.reason).inc()
         return self._ordered(decision, ranked)
 
     @property

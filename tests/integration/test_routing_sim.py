@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import AsyncExitStack
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
 from loadgen.sim import SimConfig, run_simulator
+from policy.prefix_index import hash_chain
 from proxy.app import create_app
-from proxy.runtime import RUNTIME
+from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME
 from proxy.settings import load_settings
 from tests.helpers.redis_server import RedisServer
-from tests.integration.retention_fixtures import cached, prompt
+from tests.integration.retention_fixtures import cached, prompt, wait_for
 
 
 async def two_replicas(
-    stack: AsyncExitStack, redis_server: RedisServer, namespace: str, **retention: Any
+    stack: AsyncExitStack,
+    redis_server: RedisServer,
+    namespace: str,
+    num_blocks: int = 2000,
+    **retention: Any,
 ) -> TestClient[Any, Any]:
     """kvkeeper in front of two fast simulated replicas (KV events wired)."""
     sims = [
         await stack.enter_async_context(
-            run_simulator(SimConfig(num_blocks=2000, speed=50, reply_tokens=1))
+            run_simulator(SimConfig(num_blocks=num_blocks, speed=50, reply_tokens=1))
         )
         for _ in range(2)
     ]
@@ -102,3 +108,43 @@ async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
         # prefill exceeds what the 2K-token prefix saves, the rest go to the other replica
         burst = await asyncio.gather(*(send(prompt(7) + [9 + i] * 3000) for i in range(6)))
         assert burst[0] == home and len(set(burst)) == 2
+
+
+async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Placement's memory of what each replica was sent is bounded by that replica's KV cache
+    (its pool size from its metrics): a prompt the replica has had to evict no longer counts as
+    cached there, so placement does not send its requests back to recompute it."""
+    async with AsyncExitStack() as stack:
+        client = await two_replicas(stack, redis_server, namespace, num_blocks=300, tick_s=0.05)
+        rt = client.server.app[RUNTIME]
+        assert rt.retention is not None
+        names = [e.name for e in rt.pool.engines]
+
+        async def pools_known() -> bool:
+            return all(rt.retention.pool_tokens(n) for n in names)  # type: ignore[union-attr]
+
+        assert await wait_for(pools_known), "the replicas' pool sizes were never scraped"
+        pool = 300 * SimConfig().block_size
+        assert rt.retention.pool_tokens(names[0]) == pool
+
+        async def send(tokens: list[int]) -> str:
+            body = {"model": "sim", "prompt": tokens, "max_tokens": 1}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200
+            await resp.read()
+            return str(resp.headers["X-KVKeeper-Engine"])
+
+        first = prompt(1)
+        home = await send(first)
+        raw = json.dumps({"model": "sim", "prompt": first, "max_tokens": 1}).encode()
+        chain = hash_chain(raw, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
+        assert rt.prefixes.match(home, chain) == len(chain)
+        for seed in range(2, 16):  # 14 more 2K-token prompts: 7 per replica, 1.5x its cache
+            await send(prompt(seed))
+        for name in names:
+            limit = rt.prefixes.limit(name)
+            assert limit == int(pool / rt.chunk_tokens)
+            assert 0 < rt.prefixes.size(name) <= limit
+        assert rt.prefixes.match(home, chain) == 0  # the engine evicted it; the index let it go

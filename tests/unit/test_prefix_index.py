@@ -45,3 +45,20 @@ def test_lru_drops_chains_from_their_end_so_matches_stay_prefixes() -> None:
     idx.insert("a", new)  # 40 entries for 30 places: 10 of the old chain go, deepest first
     assert idx.match("a", new) == 20
     assert idx.match("a", old) == 10 and idx.size("a") == 30
+
+
+def test_a_per_engine_limit_bounds_what_the_index_claims_an_engine_holds() -> None:
+    idx = PrefixIndex(capacity=100)
+    old = hash_chain(body(list(range(3000))), 128, 1000)[:20]
+    new = hash_chain(body(list(range(9000, 12000))), 128, 1000)[:20]
+    idx.insert("a", old)
+    idx.insert("b", old)
+    idx.set_limit("a", 25)  # a's cache holds 25 chunks: the new chain pushes the old one out
+    idx.insert("a", new)
+    assert (idx.match("a", new), idx.match("a", old), idx.size("a")) == (20, 5, 25)
+    assert idx.match("b", old) == 20 and idx.limit("b") == 100  # other engines keep theirs
+    idx.set_limit("a", 10)  # shrinking drops the least recently sent at once
+    assert (idx.match("a", new), idx.match("a", old), idx.size("a")) == (10, 0, 10)
+    idx.set_limit("b", 10**9)  # never above the index's own capacity, never below 1
+    idx.set_limit("a", 0)
+    assert (idx.limit("b"), idx.limit("a"), idx.size("a")) == (100, 1, 1)

@@ -200,7 +200,7 @@ async def free_session(
 
 async def list_engines(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
-    rt.tenants.principal(request.headers, rt.settings.admin_token)
+    who = rt.tenants.principal(request.headers, rt.settings.admin_token)
     data = [
         {
             "name": e.name,
@@ -211,7 +211,7 @@ async def list_engines(request: web.Request) -> web.Response:
             "last_check": e.last_check or None,
             "models": e.models,
             "events": e.spec.events,
-            "retention": rt.retention.engine_view(e.name) if rt.retention else None,
+            "retention": rt.retention.engine_view(e.name, who.tenant) if rt.retention else None,
         }
         for e in rt.pool.engines
     ]

@@ -108,6 +108,12 @@ class Metrics:
         self.warmup_recomputed_tokens = Counter(
             "kvkeeper_warmup_recomputed_tokens", "Prompt tokens warm-ups recomputed", registry=r
         )
+        self.anchor_touches = Counter(
+            "kvkeeper_anchor_touches",
+            "Keep-alive touches of agent anchors, by engine and outcome",
+            ["engine", "outcome"],
+            registry=r,
+        )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
         self.prefetches = Counter("kvkeeper_prefetches", "Prefetch warm-ups run", registry=r)
         self.evictions = Counter("kvkeeper_evictions", "Sessions evicted by edits", registry=r)

@@ -57,6 +57,7 @@ from policy import (
     plan_touches,
 )
 from policy.horizon import RateMeter, fill_time_horizon
+from proxy.anchors import AnchorKeeper
 from proxy.context import RecordedContext, decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -202,6 +203,7 @@ class Retention:
         self._touches: set[asyncio.Task[None]] = set()
         self._tokenize = asyncio.Semaphore(8)
         self._stopping = asyncio.Event()
+        self.anchors = AnchorKeeper(settings, metrics) if settings.anchors else None
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -220,6 +222,8 @@ class Retention:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5)
+        if self.anchors is not None:
+            await self.anchors.stop()
         for es in self.engines.values():
             if es.subscriber is not None:
                 await es.subscriber.aclose()
@@ -346,6 +350,8 @@ class Retention:
 
     def forget(self, tenant: str, sid: str) -> None:
         self._blocks.pop((tenant, sid), None)
+        if self.anchors is not None:
+            self.anchors.forget(tenant, sid)
 
     # --- the worker -----------------------------------------------------------------------------
     async def _run(self, es: EngineState) -> None:
@@ -375,6 +381,8 @@ class Retention:
     async def tick(self, es: EngineState, now: float) -> None:
         await self._expire(now)
         await self._scrape(es, now)
+        if self.anchors is not None:
+            await self.anchors.tick(es, now, self._horizon(es, now), self._touch_in_time)
         # a session that has not finished a request yet has no recorded context to touch
         sessions = [
             s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
@@ -664,6 +672,13 @@ class Retention:
         except TimeoutError:
             raise _TouchLate from None
 
+    async def _touch_in_time(self, touch: Awaitable[TouchResult]) -> TouchResult | None:
+        """A keep-alive touch under the deadline; None when it was abandoned."""
+        try:
+            return await self._in_time(touch, warmup=False)
+        except _TouchLate:
+            return None
+
     async def _touch_other(self, es: EngineState, ctx: RecordedContext) -> TouchResult:
         """Anthropic /v1/messages and /v1/responses: the same one-token request on their route."""
         body = ctx.prefix_body()
@@ -682,7 +697,8 @@ class Retention:
         return TouchResult(usage.prompt_tokens, usage.cached_tokens, time.monotonic() - started)
 
     # --- views ------------------------------------------------------------------------------------
-    def engine_view(self, name: str) -> dict[str, Any]:
+    def engine_view(self, name: str, tenant: str | None = None) -> dict[str, Any]:
+        """What retention holds on one engine; ``tenant``: only that tenant's anchors."""
         es = self.engines.get(name)
         if es is None:
             return {}
@@ -703,6 +719,9 @@ class Retention:
             "offload_tier": es.tier is not None,
             "touches_in_flight": len(es.in_flight),
             "pressure_overrides_now": len(es.overridden),
+            "anchors": (
+                self.anchors.view(name, time.time(), tenant) if self.anchors is not None else []
+            ),
         }
 
     async def residency(self, session: Session) -> dict[str, Any]:

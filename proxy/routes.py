@@ -235,6 +235,10 @@ def _after(
     )
     if rt.retention is not None:
         rt.retention.on_completion(engine.name, usage, before)
+        if hint.agent_name and rt.retention.anchors is not None:
+            rt.retention.anchors.observe(
+                engine.name, tenant, hint.session_id, hint.agent_name, route, body, time.time()
+            )
     if hint.edits:
         rt.spawn(_apply_edits(rt, tenant, hint))
 

@@ -116,6 +116,13 @@ class RetentionSettings(BaseModel):
     dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
     # a prefetch warm-up that would re-prefill more than this share of the pool is declined
     prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)
+    # agent anchors (proxy/anchors.py): kept warm for the agents predicted to run next
+    anchors: bool = True
+    anchor_min_demand: float = Field(default=0.5, ge=0)  # expected next calls to keep one
+    anchor_pool_share: float = Field(default=0.25, gt=0, le=1)  # anchor blocks / pool blocks
+    anchor_window_s: float = Field(default=30.0, gt=0)  # a session idle longer stops counting
+    anchor_min_blocks: int = Field(default=4, gt=0)  # a shorter common prefix is no anchor
+    anchor_relearn_calls: int = Field(default=200, gt=0)  # learn again after this many calls
     hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
     block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
 

@@ -1,0 +1,278 @@
+"""Agent anchors kept warm on each engine for the agents predicted to run next (CacheScout).
+
+Fed from the request path (:meth:`AnchorKeeper.observe`, no I/O): every hinted request that
+names its agent (``X-Agent-Name``) teaches the next-agent model (:mod:`policy.predictor`) one
+transition of its session and stamps the agent's anchor on that engine as used. An anchor is
+learned from two calls of one agent by different sessions of one tenant: both are tokenized
+and their common leading whole blocks are the anchor (tenants never share anchors: one
+tenant's prompt is never replayed for another). Each retention tick then touches the anchors
+:func:`policy.anchors.plan_anchor_touches` picks: a one-token request over the anchor's tokens
+that refreshes its blocks before LRU reaches them. A touch counts like a session's keep-alive
+touch in the retention overhead (``kvkeeper_touch_prompt_tokens_total`` and
+``kvkeeper_touch_recomputed_tokens_total``) and by itself in
+``kvkeeper_anchor_touches_total{engine,outcome}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from adapters.base import AdapterError, TouchResult
+from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
+from policy.anchors import (
+    AnchorConfig,
+    AnchorView,
+    anchor_demand,
+    common_prefix,
+    plan_anchor_touches,
+)
+from policy.predictor import TransitionModel
+from proxy.metrics import Metrics
+from proxy.settings import RetentionSettings
+
+if TYPE_CHECKING:
+    from proxy.retention import EngineState
+
+log = logging.getLogger("kvkeeper.anchors")
+
+_MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
+
+
+def _id(tenant: str, agent: str) -> str:
+    return f"{tenant}\x1f{agent}"
+
+
+@dataclass(slots=True)
+class Sample:
+    """One call of the agent: the body it was sent with (JSON, hints stripped)."""
+
+    session_id: str
+    route: str
+    body: bytes
+
+
+@dataclass(slots=True)
+class Anchor:
+    """One agent's anchor on one engine, for one tenant."""
+
+    agent: str
+    first: Sample | None = None
+    second: Sample | None = None
+    tokens: list[int] = field(default_factory=list)  # the anchor, plus one token past it
+    blocks: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    last_used: float = 0.0
+    calls_since_learned: int = 0
+    learn_after: int = 0  # calls to let pass before sampling again (relearn, or back off)
+    failures: int = 0  # learning attempts in a row that found no common prefix
+    in_flight: bool = False
+
+    @property
+    def learnable(self) -> bool:
+        return self.first is not None and self.second is not None
+
+
+class AnchorKeeper:
+    """What the retention layer knows about agents: their anchors and who runs next."""
+
+    def __init__(self, settings: RetentionSettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.model = TransitionModel()
+        self.config = AnchorConfig(
+            min_demand=settings.anchor_min_demand, safety_fraction=settings.safety_fraction
+        )
+        # (tenant, session) -> (its last agent, when): the sessions whose next call is predicted
+        self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        # engine -> (tenant, agent) -> anchor
+        self.anchors: dict[str, dict[tuple[str, str], Anchor]] = {}
+        self._touches: set[asyncio.Task[None]] = set()
+
+    # --- the request path (no I/O) ----------------------------------------------------------
+    def observe(
+        self, engine: str, tenant: str, sid: str, agent: str, route: str, body: bytes, now: float
+    ) -> None:
+        """A request of ``sid`` by ``agent`` was served by ``engine``."""
+        key, who = (tenant, sid), _id(tenant, agent)  # tenants never share agents
+        prev = self._last.pop(key, None)
+        self.model.observe(prev[0] if prev is not None else None, who)
+        self._last[key] = (who, now)
+        while len(self._last) > _MAX_SESSIONS:
+            self._last.popitem(last=False)
+        if route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+            return
+        anchor = self.anchors.setdefault(engine, {}).setdefault((tenant, agent), Anchor(agent))
+        anchor.last_used = now
+        anchor.calls_since_learned += 1
+        if anchor.calls_since_learned < anchor.learn_after:
+            return
+        sample = Sample(sid, route, body)
+        if anchor.first is None or anchor.first.session_id == sid:
+            anchor.first = sample
+        elif anchor.first.route == route:
+            anchor.second = sample
+
+    def forget(self, tenant: str, sid: str) -> None:
+        """The session ended: it no longer counts in any agent's demand."""
+        self._last.pop((tenant, sid), None)
+
+    def demand(self, now: float) -> dict[str, float]:
+        """Expected next calls per (tenant, agent) id from the sessions active within
+        ``anchor_window_s``."""
+        since = now - self.settings.anchor_window_s
+        live: dict[str, int] = {}
+        for who, at in reversed(self._last.values()):  # most recent first: stop at the window
+            if at < since:
+                break
+            live[who] = live.get(who, 0) + 1
+        return anchor_demand(live, self.model)
+
+    # --- the retention tick -----------------------------------------------------------------
+    async def tick(
+        self,
+        es: EngineState,
+        now: float,
+        horizon_s: float,
+        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
+    ) -> None:
+        """Learn the anchors that have two samples, then touch the ones the plan picks."""
+        mine = self.anchors.get(es.engine.name)
+        if not mine or es.subscriber is None or es.load is None or es.tap is None:
+            return  # without KV events nothing says which anchor blocks are still cached
+        for anchor in mine.values():
+            if anchor.learnable:
+                await self._learn(es, anchor)
+        demand = self.demand(now)
+        views = {
+            _id(tenant, agent): (anchor, view)
+            for (tenant, agent), anchor in mine.items()
+            if anchor.blocks
+            for view in [
+                AnchorView(
+                    anchor_id=_id(tenant, agent),
+                    n_blocks=len(anchor.blocks),
+                    resident_blocks=es.index.resident_prefix(anchor.blocks),
+                    last_used_at=anchor.last_used,
+                    demand=demand.get(_id(tenant, agent), 0.0),
+                    allocated_since=es.tap.allocated_since(anchor.last_used),
+                    touch_in_flight=anchor.in_flight,
+                )
+            ]
+        }
+        if not views:
+            return
+        free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+        chosen = plan_anchor_touches(
+            [v for _, v in views.values()],
+            horizon_s,
+            now,
+            max_blocks=self.settings.anchor_pool_share * es.load.pool_blocks,
+            urgent_blocks=self.settings.safety_fraction * free,
+            slots=self.settings.max_concurrent_touches,
+            config=self.config,
+        )
+        for anchor_id in chosen:
+            anchor, view = views[anchor_id]
+            self._spawn(es, anchor, view.resident_blocks, in_time)
+
+    async def _learn(self, es: EngineState, anchor: Anchor) -> None:
+        """The common leading whole blocks of the two samples' token ids."""
+        first, second = anchor.first, anchor.second
+        assert first is not None and second is not None
+        anchor.first, anchor.second = second, None  # the newer sample pairs with the next one
+        try:
+            a_body, b_body = json.loads(first.body), json.loads(second.body)
+            a = await es.adapter.tokenize(first.route, a_body)
+            b = await es.adapter.tokenize(second.route, b_body)
+        except (AdapterError, ValueError, TypeError, KeyError) as exc:
+            log.debug("anchor of %s not learned: %s", anchor.agent, exc)
+            return
+        bs = es.adapter.cache.block_size
+        n_blocks = common_prefix(a, b) // bs
+        anchor.calls_since_learned = 0
+        if n_blocks < self.settings.anchor_min_blocks:
+            # calls of this agent share no anchor (yet): ask again after 1, 2, 4... calls
+            anchor.failures += 1
+            anchor.learn_after = min(self.settings.anchor_relearn_calls, 2**anchor.failures)
+            return
+        salt = a_body.get("cache_salt") if isinstance(a_body, dict) else None
+        anchor.cache_salt = salt if isinstance(salt, str) else None
+        # one token past the last whole block: vLLM looks up at most prompt - 1 tokens
+        anchor.tokens = a[: n_blocks * bs + 1]
+        anchor.blocks = tuple(es.adapter.hasher.block_ids(a[: n_blocks * bs], cache_salt=salt))
+        anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
+        anchor.first = anchor.second = None
+
+    def _spawn(
+        self,
+        es: EngineState,
+        anchor: Anchor,
+        resident: int,
+        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
+    ) -> None:
+        anchor.in_flight = True
+        task = asyncio.create_task(self._touch(es, anchor, resident, in_time))
+        self._touches.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._touches.discard(t)
+            anchor.in_flight = False
+
+        task.add_done_callback(done)
+
+    async def _touch(
+        self,
+        es: EngineState,
+        anchor: Anchor,
+        resident: int,
+        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
+    ) -> None:
+        """Re-send the anchor's still-resident blocks (plus one token), like a session touch."""
+        bs = es.adapter.cache.block_size
+        tokens = anchor.tokens[: resident * bs + 1]
+        name = es.engine.name
+        try:
+            result = await in_time(es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt))
+        except AdapterError as exc:
+            self.metrics.anchor_touches.labels(name, "failed").inc()
+            log.warning("anchor touch of %s failed: %s", anchor.agent, exc)
+            return
+        if result is None:  # not served within the touch deadline: abandoned
+            self.metrics.anchor_touches.labels(name, "late").inc()
+            return
+        now = time.time()
+        anchor.last_used = now
+        assert es.tap is not None
+        es.tap.note_used(anchor.blocks[:resident], now)
+        self.metrics.anchor_touches.labels(name, "ok").inc()
+        self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
+        self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)
+
+    async def stop(self) -> None:
+        tasks = list(self._touches)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    def view(self, engine: str, now: float, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The engine's learned anchors (of ``tenant`` only, when given) for the admin API."""
+        demand = self.demand(now)
+        return [
+            {
+                "tenant": owner,
+                "agent": agent,
+                "blocks": len(a.blocks),
+                "demand": round(demand.get(_id(owner, agent), 0.0), 3),
+                "idle_s": round(max(0.0, now - a.last_used), 3),
+            }
+            for (owner, agent), a in self.anchors.get(engine, {}).items()
+            if a.blocks and tenant in (None, owner)
+        ]

@@ -33,6 +33,7 @@ from policy.anchors import (
     common_prefix,
     plan_anchor_touches,
 )
+from policy.budget import BudgetConfig, effective_budget
 from policy.predictor import TransitionModel
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -173,7 +174,10 @@ class AnchorKeeper:
             [v for _, v in views.values()],
             horizon_s,
             now,
-            max_blocks=self.settings.anchor_pool_share * es.load.pool_blocks,
+            # the soft-TTL budget's rule: the share shrinks as traffic needs the space
+            max_blocks=effective_budget(
+                es.load, BudgetConfig(share=self.settings.anchor_pool_share)
+            )[0],
             urgent_blocks=self.settings.safety_fraction * free,
             slots=self.settings.max_concurrent_touches,
             config=self.config,

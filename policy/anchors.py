@@ -14,12 +14,14 @@ Rules of :func:`plan_anchor_touches`, in order:
 
 1. an anchor with a touch in flight, nothing resident, or a demand under ``min_demand`` is
    never touched (touching a lost anchor would be a full re-prefill nobody asked for);
-2. the rest are admitted by demand per block, highest first (then id), while their blocks fit
-   in ``max_blocks`` (the share of the pool anchors may hold);
-3. an admitted anchor is due when its age (since its agent's last call or its last touch) has
-   reached ``safety_fraction`` x the LRU horizon, or when the engine has allocated at least
+2. an anchor is due when its age (since its agent's last call or its last touch) has reached
+   ``safety_fraction`` x the LRU horizon, or when the engine has allocated at least
    ``urgent_blocks`` blocks since then (a burst moves the LRU front faster than any rate);
-4. due anchors oldest first (then id), at most ``slots`` of them.
+3. the anchors that hold the pool because of kvkeeper (due now, or last kept alive by a touch
+   rather than by their agent's calls) are admitted by demand per block, highest first (then
+   id), while their blocks fit in ``max_blocks`` (the share of the pool anchors may hold); an
+   anchor its own traffic keeps recent costs nothing and takes none of that share;
+4. admitted due anchors are touched oldest first (then id), at most ``slots`` of them.
 
 Pure: ``now`` is an argument, nothing does I/O.
 """
@@ -37,7 +39,8 @@ from policy.predictor import TransitionModel
 class AnchorView:
     """One anchor on one engine this tick: ``n_blocks`` learned blocks, ``resident_blocks`` of
     them still cached (leading), ``last_used_at`` its agent's last call or its last touch,
-    ``allocated_since`` blocks the engine allocated since then."""
+    ``allocated_since`` blocks the engine allocated since then; ``held``: that last use was a
+    touch (kvkeeper, not its traffic, keeps it)."""
 
     anchor_id: str
     n_blocks: int
@@ -46,6 +49,7 @@ class AnchorView:
     demand: float
     allocated_since: int = 0
     touch_in_flight: bool = False
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +101,18 @@ def plan_anchor_touches(
         for a in anchors
         if not a.touch_in_flight and a.resident_blocks > 0 and a.demand >= cfg.min_demand
     ]
-    live.sort(key=lambda a: (-a.demand / max(1, a.n_blocks), a.anchor_id))
-    admitted, used = [], 0
-    for a in live:
-        if used + a.n_blocks <= max_blocks:
-            admitted.append(a)
-            used += a.n_blocks
     due_age = cfg.safety_fraction * horizon_s if math.isfinite(horizon_s) else math.inf
-    due = [
-        a for a in admitted if now - a.last_used_at >= due_age or a.allocated_since >= urgent_blocks
-    ]
+
+    def is_due(a: AnchorView) -> bool:
+        return now - a.last_used_at >= due_age or a.allocated_since >= urgent_blocks
+
+    kept = [a for a in live if a.held or is_due(a)]
+    kept.sort(key=lambda a: (-a.demand / max(1, a.n_blocks), a.anchor_id))
+    due, used = [], 0
+    for a in kept:
+        if used + a.n_blocks <= max_blocks:
+            used += a.n_blocks
+            if is_due(a):
+                due.append(a)
     due.sort(key=lambda a: (a.last_used_at, a.anchor_id))
     return tuple(a.anchor_id for a in due[: max(0, slots)])

@@ -43,7 +43,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvkeeper.anchors")
 
+# runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
+InTime = Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]]
+
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
+_MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
 
 
 def _id(tenant: str, agent: str) -> str:
@@ -70,6 +74,7 @@ class Anchor:
     blocks: tuple[int, ...] = ()
     cache_salt: str | None = None
     last_used: float = 0.0
+    held: bool = False  # last used by a touch, not by a call of its agent
     calls_since_learned: int = 0
     learn_after: int = 0  # calls to let pass before sampling again (relearn, or back off)
     failures: int = 0  # learning attempts in a row that found no common prefix
@@ -86,11 +91,12 @@ class AnchorKeeper:
     def __init__(self, settings: RetentionSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.model = TransitionModel()
+        self.models: dict[str, TransitionModel] = {}  # per tenant: tenants never mix
         self.config = AnchorConfig(
             min_demand=settings.anchor_min_demand, safety_fraction=settings.safety_fraction
         )
-        # (tenant, session) -> (its last agent, when): the sessions whose next call is predicted
+        # (tenant, session) -> (its last agent, when): the sessions whose next call is predicted,
+        # least recently active first
         self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         # engine -> (tenant, agent) -> anchor
         self.anchors: dict[str, dict[tuple[str, str], Anchor]] = {}
@@ -101,16 +107,24 @@ class AnchorKeeper:
         self, engine: str, tenant: str, sid: str, agent: str, route: str, body: bytes, now: float
     ) -> None:
         """A request of ``sid`` by ``agent`` was served by ``engine``."""
-        key, who = (tenant, sid), _id(tenant, agent)  # tenants never share agents
+        key = (tenant, sid)
         prev = self._last.pop(key, None)
-        self.model.observe(prev[0] if prev is not None else None, who)
-        self._last[key] = (who, now)
+        model = self.models.get(tenant)
+        if model is None:
+            model = self.models[tenant] = TransitionModel()
+        model.observe(prev[0] if prev is not None else None, agent)
+        self._last[key] = (agent, now)
         while len(self._last) > _MAX_SESSIONS:
             self._last.popitem(last=False)
         if route not in (CHAT_ROUTE, COMPLETION_ROUTE):
             return
-        anchor = self.anchors.setdefault(engine, {}).setdefault((tenant, agent), Anchor(agent))
-        anchor.last_used = now
+        mine = self.anchors.setdefault(engine, {})
+        anchor = mine.get((tenant, agent))
+        if anchor is None:
+            if len(mine) >= _MAX_ANCHORS:  # agent names come from clients: bounded
+                del mine[min(mine, key=lambda k: mine[k].last_used)]
+            anchor = mine[(tenant, agent)] = Anchor(agent)
+        anchor.last_used, anchor.held = now, False
         anchor.calls_since_learned += 1
         if anchor.calls_since_learned < anchor.learn_after:
             return
@@ -128,12 +142,17 @@ class AnchorKeeper:
         """Expected next calls per (tenant, agent) id from the sessions active within
         ``anchor_window_s``."""
         since = now - self.settings.anchor_window_s
-        live: dict[str, int] = {}
-        for who, at in reversed(self._last.values()):  # most recent first: stop at the window
+        live: dict[str, dict[str, int]] = {}  # tenant -> last agent -> live sessions
+        for (tenant, _), (agent, at) in reversed(self._last.items()):  # most recent first
             if at < since:
                 break
-            live[who] = live.get(who, 0) + 1
-        return anchor_demand(live, self.model)
+            by_agent = live.setdefault(tenant, {})
+            by_agent[agent] = by_agent.get(agent, 0) + 1
+        return {
+            _id(tenant, agent): d
+            for tenant, by_agent in live.items()
+            for agent, d in anchor_demand(by_agent, self.models[tenant]).items()
+        }
 
     # --- the retention tick -----------------------------------------------------------------
     async def tick(
@@ -141,32 +160,33 @@ class AnchorKeeper:
         es: EngineState,
         now: float,
         horizon_s: float,
-        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
+        in_time: InTime,
     ) -> None:
         """Learn the anchors that have two samples, then touch the ones the plan picks."""
         mine = self.anchors.get(es.engine.name)
         if not mine or es.subscriber is None or es.load is None or es.tap is None:
             return  # without KV events nothing says which anchor blocks are still cached
-        for anchor in mine.values():
+        for anchor in list(mine.values()):  # (requests may add anchors while this awaits)
             if anchor.learnable:
                 await self._learn(es, anchor)
         demand = self.demand(now)
-        views = {
-            _id(tenant, agent): (anchor, view)
-            for (tenant, agent), anchor in mine.items()
-            if anchor.blocks
-            for view in [
-                AnchorView(
-                    anchor_id=_id(tenant, agent),
-                    n_blocks=len(anchor.blocks),
-                    resident_blocks=es.index.resident_prefix(anchor.blocks),
-                    last_used_at=anchor.last_used,
-                    demand=demand.get(_id(tenant, agent), 0.0),
-                    allocated_since=es.tap.allocated_since(anchor.last_used),
-                    touch_in_flight=anchor.in_flight,
+        views: dict[str, tuple[Anchor, AnchorView]] = {}
+        for (tenant, agent), anchor in mine.items():
+            if anchor.blocks:
+                anchor_id = _id(tenant, agent)
+                views[anchor_id] = (
+                    anchor,
+                    AnchorView(
+                        anchor_id=anchor_id,
+                        n_blocks=len(anchor.blocks),
+                        resident_blocks=es.index.resident_prefix(anchor.blocks),
+                        last_used_at=anchor.last_used,
+                        demand=demand.get(anchor_id, 0.0),
+                        allocated_since=es.tap.allocated_since(anchor.last_used),
+                        touch_in_flight=anchor.in_flight,
+                        held=anchor.held,
+                    ),
                 )
-            ]
-        }
         if not views:
             return
         free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
@@ -179,7 +199,8 @@ class AnchorKeeper:
                 es.load, BudgetConfig(share=self.settings.anchor_pool_share)
             )[0],
             urgent_blocks=self.settings.safety_fraction * free,
-            slots=self.settings.max_concurrent_touches,
+            slots=self.settings.max_concurrent_touches
+            - sum(a.in_flight for a, _ in views.values()),
             config=self.config,
         )
         for anchor_id in chosen:
@@ -214,13 +235,7 @@ class AnchorKeeper:
         anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
         anchor.first = anchor.second = None
 
-    def _spawn(
-        self,
-        es: EngineState,
-        anchor: Anchor,
-        resident: int,
-        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
-    ) -> None:
+    def _spawn(self, es: EngineState, anchor: Anchor, resident: int, in_time: InTime) -> None:
         anchor.in_flight = True
         task = asyncio.create_task(self._touch(es, anchor, resident, in_time))
         self._touches.add(task)
@@ -231,13 +246,7 @@ class AnchorKeeper:
 
         task.add_done_callback(done)
 
-    async def _touch(
-        self,
-        es: EngineState,
-        anchor: Anchor,
-        resident: int,
-        in_time: Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]],
-    ) -> None:
+    async def _touch(self, es: EngineState, anchor: Anchor, resident: int, in_time: InTime) -> None:
         """Re-send the anchor's still-resident blocks (plus one token), like a session touch."""
         bs = es.adapter.cache.block_size
         tokens = anchor.tokens[: resident * bs + 1]
@@ -252,7 +261,8 @@ class AnchorKeeper:
             self.metrics.anchor_touches.labels(name, "late").inc()
             return
         now = time.time()
-        anchor.last_used = now
+        if now > anchor.last_used:  # (a call of its agent may have come in meanwhile)
+            anchor.last_used, anchor.held = now, True
         assert es.tap is not None
         es.tap.note_used(anchor.blocks[:resident], now)
         self.metrics.anchor_touches.labels(name, "ok").inc()

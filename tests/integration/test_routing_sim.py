@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -43,6 +44,15 @@ async def two_replicas(
     await client.start_server()
     stack.push_async_callback(client.close)
     return client
+
+
+async def placed(client: TestClient[Any, Any], tokens: list[int]) -> str:
+    """Send an unhinted prompt; the replica kvkeeper placed it on."""
+    body = {"model": "sim", "prompt": tokens, "max_tokens": 1}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    await resp.read()
+    return str(resp.headers["X-KVKeeper-Engine"])
 
 
 async def test_sessions_stay_children_follow_and_unhinted_spread(
@@ -95,12 +105,8 @@ async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
     async with AsyncExitStack() as stack:
         client = await two_replicas(stack, redis_server, namespace)
 
-        async def send(tokens: list[int]) -> str:
-            body = {"model": "sim", "prompt": tokens, "max_tokens": 1}
-            resp = await client.post("/v1/completions", json=body)
-            assert resp.status == 200
-            await resp.read()
-            return str(resp.headers["X-KVKeeper-Engine"])
+        def send(tokens: list[int]) -> Awaitable[str]:
+            return placed(client, tokens)
 
         home = await send(prompt(7))
         assert await send(prompt(7) + [5] * 64) == home  # idle: the prefix decides
@@ -129,12 +135,8 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
         pool = 300 * SimConfig().block_size
         assert rt.retention.pool_tokens(names[0]) == pool
 
-        async def send(tokens: list[int]) -> str:
-            body = {"model": "sim", "prompt": tokens, "max_tokens": 1}
-            resp = await client.post("/v1/completions", json=body)
-            assert resp.status == 200
-            await resp.read()
-            return str(resp.headers["X-KVKeeper-Engine"])
+        def send(tokens: list[int]) -> Awaitable[str]:
+            return placed(client, tokens)
 
         first = prompt(1)
         home = await send(first)

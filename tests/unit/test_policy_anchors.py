@@ -45,8 +45,9 @@ def a(
     demand: float = 1.0,
     allocated: int = 0,
     in_flight: bool = False,
+    held: bool = False,
 ) -> AnchorView:
-    return AnchorView(anchor_id, n, resident, last, demand, allocated, in_flight)
+    return AnchorView(anchor_id, n, resident, last, demand, allocated, in_flight, held)
 
 
 def plan(anchors: list[AnchorView], **kw: float) -> tuple[str, ...]:
@@ -95,6 +96,16 @@ def test_the_pool_share_admits_anchors_by_demand_per_block() -> None:
     assert plan(anchors, max_blocks=450.0) == ("small-popular", "mid")
     assert plan(anchors, max_blocks=1000.0) == ("big-popular", "small-popular", "mid")
     assert plan(anchors, max_blocks=50.0) == ()
+
+
+def test_only_anchors_kvkeeper_keeps_take_the_pool_share() -> None:
+    # the dense anchor is used by its own traffic (1 s ago, not held): it costs nothing, so the
+    # 300 blocks go to the due anchor; once the dense one is held by touches, it takes them
+    dense = a("dense", n=300, demand=30.0, last=99.0)
+    sparse = a("sparse", n=300, demand=1.0, last=0.0)
+    assert plan([dense, sparse], max_blocks=300.0) == ("sparse",)
+    held = a("dense", n=300, demand=30.0, last=99.0, held=True)
+    assert plan([held, sparse], max_blocks=300.0) == ()
 
 
 def test_config_validation() -> None:

@@ -265,6 +265,7 @@ def peak_working_set(replay: Replay) -> int:
 class SimResult:
     hit_blocks: int
     no_room_blocks: int
+    hits_by_class: dict[str, int] = field(default_factory=dict)  # with ``simulate(classify=)``
 
 
 class _Cache:
@@ -318,9 +319,16 @@ class _Cache:
                     break
 
 
-def simulate(replay: Replay, capacity: int, policy: Policy) -> SimResult:
-    """Replay against ``capacity`` blocks under ``policy``."""
+def simulate(
+    replay: Replay,
+    capacity: int,
+    policy: Policy,
+    classify: Callable[[int], str] | None = None,
+) -> SimResult:
+    """Replay against ``capacity`` blocks under ``policy``; ``classify`` (block key -> class)
+    also counts the hit blocks per class."""
     cache = _Cache(capacity, policy, replay)
+    by_class: dict[str, int] = {}
     ref = cache.ref
     held: dict[int, list[int]] = {}  # seq -> positions of the blocks it holds
     hits = no_room = 0
@@ -353,6 +361,9 @@ def simulate(replay: Replay, capacity: int, policy: Policy) -> SimResult:
                 continue
             holds.append(pos)
             hits += leading
+            if leading and classify is not None:
+                cls = classify(b)
+                by_class[cls] = by_class.get(cls, 0) + 1
         room = capacity - len(ref) - cache.free_count()
         if len(new) > room:
             cache.evict(min(len(new) - room, cache.free_count()))
@@ -364,7 +375,7 @@ def simulate(replay: Replay, capacity: int, policy: Policy) -> SimResult:
         holds.extend(new[:fit])
         holds.sort()  # release order is prompt order reversed (resident blocks may follow a miss)
         held[seq] = holds
-    return SimResult(hits, no_room)
+    return SimResult(hits, no_room, by_class)
 
 
 # --- driver --------------------------------------------------------------------------------------

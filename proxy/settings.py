@@ -116,8 +116,9 @@ class RetentionSettings(BaseModel):
     dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
     # a prefetch warm-up that would re-prefill more than this share of the pool is declined
     prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)
-    # agent anchors (proxy/anchors.py): kept warm for the agents predicted to run next
-    anchors: bool = True
+    # agent anchors (proxy/anchors.py): kept warm for the agents predicted to run next; off by
+    # default: on the swarm benchmark they cost TTFT and gained no hit rate (BENCHMARKS.md)
+    anchors: bool = False
     anchor_min_demand: float = Field(default=0.5, ge=0)  # expected next calls to keep one
     anchor_pool_share: float = Field(default=0.25, gt=0, le=1)  # anchor blocks / pool blocks
     anchor_window_s: float = Field(default=30.0, gt=0)  # a session idle longer stops counting

@@ -42,6 +42,18 @@ def test_lru_evicts_the_oldest_belady_the_never_reused() -> None:
     }
 
 
+def test_hits_split_by_a_block_classifier() -> None:
+    # a, b, c, then a again (2 blocks of room): Belady's one hit is a, LRU has none
+    replay = ceiling.layout(_one_call_sessions([["a"], ["b"], ["c"], ["a"]]), "open")
+
+    def classify(key: int) -> str:
+        return "a" if key == replay.reqs[0].keys[0] else "other"
+
+    assert ceiling.simulate(replay, 2, "belady", classify).hits_by_class == {"a": 1}
+    assert ceiling.simulate(replay, 2, "lru", classify).hits_by_class == {}
+    assert ceiling.simulate(replay, 2, "lru").hits_by_class == {}
+
+
 def test_prefix_hits_stop_at_the_first_missing_block() -> None:
     # [x, y] then [x, z, ...]: only x hits; chains are named by their prefix, so [y] alone
     # (a different prefix) does not hit the y that followed x.

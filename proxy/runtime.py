@@ -202,8 +202,9 @@ class Runtime:
         if self.retention is not None:  # the index remembers what each engine's cache holds
             for e in ranked:
                 pool = self.retention.pool_tokens(e.name)
-                if pool is not None:
-                    self.prefixes.set_limit(e.name, int(pool / self.chunk_tokens))
+                limit = int(pool / self.chunk_tokens) if pool is not None else None
+                if limit is not None and limit != self.prefixes.limit(e.name):
+                    self.prefixes.set_limit(e.name, limit)
         decision = place_by_prefix(
             [
                 PrefixCandidate(

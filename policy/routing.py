@@ -184,7 +184,7 @@ def place_by_prefix(
     Each healthy replica costs the prefill work queued there plus ``miss_weight`` x the tokens
     of this prompt it would compute (those past its matched prefix): the estimate of when this
     request's prefill would finish there. Lowest cost first; ties go to the longer match, then
-    to the replica asked to hold less, then by name. Under light load that is the longest
+    to the replica asked to hold less, then keep the order given. Under light load that is the longest
     match (cache affinity); when the replica holding a prefix has a queue longer than the
     prefix is worth, the request goes where it starts sooner and the prefix gets a second
     home. ``reason``: ``prefix`` (the pick has the longest match), ``load`` (a match was passed
@@ -198,7 +198,8 @@ def place_by_prefix(
     def cost(c: PrefixCandidate) -> float:
         return c.pending + cfg.miss_weight * max(0, chain_len - c.matched) * chunk_tokens
 
-    ranked = sorted(healthy, key=lambda c: (cost(c), -c.matched, c.cached, c.name))
+    # sorted() is stable: full ties keep the caller's order (the runtime rotates it)
+    ranked = sorted(healthy, key=lambda c: (cost(c), -c.matched, c.cached))
     best = max(c.matched for c in healthy)
     reason = "spread" if best == 0 else "prefix" if ranked[0].matched == best else "load"
     names = tuple(c.name for c in ranked)

@@ -162,10 +162,12 @@ P = PrefixCandidate
         ([P("a", matched=6, pending=700), P("b")], "b", ("a",), "load"),
         # equal cost: the longer match
         ([P("a", matched=6, pending=600), P("b")], "a", ("b",), "prefix"),
-        # nobody has it: the shorter queue, then the replica asked to hold less, then the name
+        # nobody has it: the shorter queue, then the replica asked to hold less, then the
+        # order given (the runtime rotates it: round robin on full ties)
         ([P("a", pending=50, cached=1), P("b", pending=10, cached=99)], "b", ("a",), "spread"),
         ([P("a", cached=50), P("b", cached=40)], "b", ("a",), "spread"),
-        ([P("b", cached=5), P("a", cached=5)], "a", ("b",), "spread"),
+        ([P("b", cached=5), P("a", cached=5)], "b", ("a",), "spread"),
+        ([P("a", cached=5), P("b", cached=5)], "a", ("b",), "spread"),
         # unhealthy replicas are never returned
         ([P("a", healthy=False, matched=10), P("b")], "b", (), "spread"),
         ([P("a", healthy=False)], None, (), "no_healthy_engine"),

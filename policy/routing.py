@@ -184,9 +184,9 @@ def place_by_prefix(
     Each healthy replica costs the prefill work queued there plus ``miss_weight`` x the tokens
     of this prompt it would compute (those past its matched prefix): the estimate of when this
     request's prefill would finish there. Lowest cost first; ties go to the longer match, then
-    to the replica asked to hold less, then keep the order given. Under light load that is the longest
-    match (cache affinity); when the replica holding a prefix has a queue longer than the
-    prefix is worth, the request goes where it starts sooner and the prefix gets a second
+    to the replica asked to hold less, then keep the order given. Under light load that is the
+    longest match (cache affinity); when the replica holding a prefix has a queue longer than
+    the prefix is worth, the request goes where it starts sooner and the prefix gets a second
     home. ``reason``: ``prefix`` (the pick has the longest match), ``load`` (a match was passed
     over for a shorter queue) or ``spread`` (no replica has any of it).
     """

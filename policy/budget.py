@@ -56,6 +56,11 @@ class EngineLoad:
     waiting: float | None = None
     running: float | None = None
 
+    @property
+    def free_blocks(self) -> float:
+        """Blocks no running request holds (cached-but-free ones included)."""
+        return self.pool_blocks * (1.0 - (self.kv_cache_usage or 0.0))
+
 
 @dataclass(frozen=True, slots=True)
 class BudgetSession:

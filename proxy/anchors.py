@@ -190,7 +190,7 @@ class AnchorKeeper:
                 )
         if not views:
             return
-        free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+        free = es.load.free_blocks
         chosen = plan_anchor_touches(
             [v for _, v in views.values()],
             horizon_s,

@@ -460,7 +460,7 @@ class Retention:
         """
         if es.load is None or es.tap is None or es.subscriber is None:
             return set()
-        free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+        free = es.load.free_blocks
         limit = self.settings.safety_fraction * free
         return {
             _key(s.tenant, s.session_id)
@@ -513,7 +513,7 @@ class Retention:
         if est.known:
             candidates.append((est.seconds, est.source.value))
         if es.load is not None and es.subscriber is not None:
-            free = es.load.pool_blocks * (1.0 - (es.load.kv_cache_usage or 0.0))
+            free = es.load.free_blocks
             fill = fill_time_horizon(free, es.tap.stores.rate(now))
             if math.isfinite(fill):
                 candidates.append((fill, "fill_rate"))

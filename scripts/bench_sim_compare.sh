@@ -40,6 +40,7 @@ run trace-n16-p50 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5
 run swarm-p50     "${SWARM[@]}"  --pool-frac 0.5
 run fanout-p50    "${FANOUT[@]}" --pool-frac 0.5
 run swarm-r2-p50  "${SWARM[@]}"  --pool-frac 0.5 --replicas 2
+run trace-r2-n16-p50 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5 --replicas 2
 # with an LMCache-shaped CPU tier as large as the pool (write-through, LRU; kvkeeper pins and
 # prefetches through it): the ceilings stay those of the pool alone
 run trace-n8-p25-tier "${TRACE[@]}" --max-sessions 8 --pool-frac 0.25 --cpu-blocks 1920

@@ -135,7 +135,9 @@ class PlacementSettings(BaseModel):
 
     # what a prompt token to compute costs against one already queued at a replica: higher
     # keeps prefixes where they are (hit rate), lower follows the shorter queue (TTFT)
-    miss_weight: float = Field(default=1.0, gt=0)
+    # (3: a prefix moves only for a queue three times its size; at 1, swarm-r2-p50 duplicated
+    # agent anchors on both replicas and lost 5-7 points of hit rate, BENCHMARKS.md)
+    miss_weight: float = Field(default=3.0, gt=0)
 
 
 class Settings(BaseSettings):

@@ -24,6 +24,7 @@ async def two_replicas(
     redis_server: RedisServer,
     namespace: str,
     num_blocks: int = 2000,
+    placement: dict[str, Any] | None = None,
     **retention: Any,
 ) -> TestClient[Any, Any]:
     """kvkeeper in front of two fast simulated replicas (KV events wired)."""
@@ -39,6 +40,7 @@ async def two_replicas(
         namespace=namespace,
         health_interval_s=60,
         retention=retention,
+        placement=placement or {},
     )
     client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
     await client.start_server()
@@ -103,7 +105,8 @@ async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
     share a prefix follow it while its replica keeps up, and go to the other replica (which
     then holds the prefix too) when the queue there outweighs what the prefix saves."""
     async with AsyncExitStack() as stack:
-        client = await two_replicas(stack, redis_server, namespace)
+        # a queued token weighs as much as a cached one (the default values the cache 3x)
+        client = await two_replicas(stack, redis_server, namespace, placement={"miss_weight": 1.0})
 
         def send(tokens: list[int]) -> Awaitable[str]:
             return placed(client, tokens)

@@ -16,12 +16,11 @@ touch in the retention overhead (``kvkeeper_touch_prompt_tokens_total`` and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,8 @@ log = logging.getLogger("kvkeeper.anchors")
 
 # runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
 InTime = Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]]
+# runs a touch as one of the retention layer's tasks, then the callback
+Track = Callable[[Coroutine[Any, Any, None], Callable[[], None]], None]
 
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
@@ -81,6 +82,9 @@ class Anchor:
     failures: int = 0  # learning attempts in a row that found no common prefix
     in_flight: bool = False
 
+    def touch_done(self) -> None:
+        self.in_flight = False
+
     @property
     def learnable(self) -> bool:
         return self.first is not None and self.second is not None
@@ -89,9 +93,13 @@ class Anchor:
 class AnchorKeeper:
     """What the retention layer knows about agents: their anchors and who runs next."""
 
-    def __init__(self, settings: RetentionSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: RetentionSettings, metrics: Metrics, track: Track, in_time: InTime
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self._track = track
+        self._in_time = in_time
         self.models: dict[str, TransitionModel] = {}  # per tenant: tenants never mix
         self.config = AnchorConfig(
             min_demand=settings.anchor_min_demand, safety_fraction=settings.safety_fraction
@@ -101,7 +109,6 @@ class AnchorKeeper:
         self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
         # engine -> (tenant, agent) -> anchor
         self.anchors: dict[str, dict[tuple[str, str], Anchor]] = {}
-        self._touches: set[asyncio.Task[None]] = set()
 
     # --- the request path (no I/O) ----------------------------------------------------------
     def observe(
@@ -156,13 +163,7 @@ class AnchorKeeper:
         }
 
     # --- the retention tick -----------------------------------------------------------------
-    async def tick(
-        self,
-        es: EngineState,
-        now: float,
-        horizon_s: float,
-        in_time: InTime,
-    ) -> None:
+    async def tick(self, es: EngineState, now: float, horizon_s: float) -> None:
         """Learn the anchors that have two samples, then touch the ones the plan picks."""
         mine = self.anchors.get(es.engine.name)
         if not mine or es.subscriber is None or es.load is None or es.tap is None:
@@ -190,7 +191,6 @@ class AnchorKeeper:
                 )
         if not views:
             return
-        free = es.load.free_blocks
         chosen = plan_anchor_touches(
             [v for _, v in views.values()],
             horizon_s,
@@ -199,14 +199,18 @@ class AnchorKeeper:
             max_blocks=effective_budget(
                 es.load, BudgetConfig(share=self.settings.anchor_pool_share)
             )[0],
-            urgent_blocks=self.settings.safety_fraction * free,
+            urgent_blocks=self.settings.safety_fraction * es.load.free_blocks,
             slots=self.settings.max_concurrent_touches
             - sum(a.in_flight for a, _ in views.values()),
             config=self.config,
         )
         for anchor_id in chosen:
             anchor, view = views[anchor_id]
-            self._spawn(es, anchor, view.resident_blocks, in_time)
+            anchor.in_flight = True
+            self._track(
+                self._touch(es, anchor, view.resident_blocks),
+                anchor.touch_done,
+            )
 
     async def _learn(self, es: EngineState, anchor: Anchor) -> None:
         """The common leading whole blocks of the two samples' token ids."""
@@ -236,24 +240,15 @@ class AnchorKeeper:
         anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
         anchor.first = anchor.second = None
 
-    def _spawn(self, es: EngineState, anchor: Anchor, resident: int, in_time: InTime) -> None:
-        anchor.in_flight = True
-        task = asyncio.create_task(self._touch(es, anchor, resident, in_time))
-        self._touches.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._touches.discard(t)
-            anchor.in_flight = False
-
-        task.add_done_callback(done)
-
-    async def _touch(self, es: EngineState, anchor: Anchor, resident: int, in_time: InTime) -> None:
+    async def _touch(self, es: EngineState, anchor: Anchor, resident: int) -> None:
         """Re-send the anchor's still-resident blocks (plus one token), like a session touch."""
         bs = es.adapter.cache.block_size
         tokens = anchor.tokens[: resident * bs + 1]
         name = es.engine.name
         try:
-            result = await in_time(es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt))
+            result = await self._in_time(
+                es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
+            )
         except AdapterError as exc:
             self.metrics.anchor_touches.labels(name, "failed").inc()
             log.warning("anchor touch of %s failed: %s", anchor.agent, exc)
@@ -269,13 +264,6 @@ class AnchorKeeper:
         self.metrics.anchor_touches.labels(name, "ok").inc()
         self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
         self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)
-
-    async def stop(self) -> None:
-        tasks = list(self._touches)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
 
     def view(self, engine: str, now: float, tenant: str | None = None) -> list[dict[str, Any]]:
         """The engine's learned anchors (of ``tenant`` only, when given) for the admin API."""

@@ -27,7 +27,7 @@ import struct
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,7 +203,11 @@ class Retention:
         self._touches: set[asyncio.Task[None]] = set()
         self._tokenize = asyncio.Semaphore(8)
         self._stopping = asyncio.Event()
-        self.anchors = AnchorKeeper(settings, metrics) if settings.anchors else None
+        self.anchors = (
+            AnchorKeeper(settings, metrics, self._track, self._touch_in_time)
+            if settings.anchors
+            else None
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -222,8 +226,6 @@ class Retention:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5)
-        if self.anchors is not None:
-            await self.anchors.stop()
         for es in self.engines.values():
             if es.subscriber is not None:
                 await es.subscriber.aclose()
@@ -381,8 +383,9 @@ class Retention:
     async def tick(self, es: EngineState, now: float) -> None:
         await self._expire(now)
         await self._scrape(es, now)
+        horizon = self._horizon(es, now)
         if self.anchors is not None:
-            await self.anchors.tick(es, now, self._horizon(es, now), self._touch_in_time)
+            await self.anchors.tick(es, now, horizon)
         # a session that has not finished a request yet has no recorded context to touch
         sessions = [
             s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
@@ -397,7 +400,6 @@ class Retention:
                 s.tenant, s.session_id, s, active_s=self.settings.relearn_idle_s
             )
         kept = self._budget(es, sessions, blocks, now)
-        horizon = self._horizon(es, now)
         plan = plan_touches(
             [
                 ProtectedSession(
@@ -559,12 +561,16 @@ class Retention:
     def _spawn_touch(self, es: EngineState, session: Session) -> None:
         key = (session.tenant, session.session_id)
         es.in_flight.add(key)
-        task = asyncio.create_task(self._touch(es, session))
+        self._track(self._touch(es, session), lambda: es.in_flight.discard(key))
+
+    def _track(self, touch: Coroutine[Any, Any, None], on_done: Callable[[], None]) -> None:
+        """Run a touch as a task that ``stop`` cancels; ``on_done`` when it ends."""
+        task = asyncio.create_task(touch)
         self._touches.add(task)
 
         def done(t: asyncio.Task[None]) -> None:
             self._touches.discard(t)
-            es.in_flight.discard(key)
+            on_done()
 
         task.add_done_callback(done)
 

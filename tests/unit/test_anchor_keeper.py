@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from adapters.vllm import COMPLETION_ROUTE
@@ -12,8 +14,13 @@ from proxy.settings import RetentionSettings
 E = "engine-a"
 
 
+def _no_touches(*_: object) -> Any:
+    raise AssertionError("the request path never touches")
+
+
 def keeper(**settings: object) -> AnchorKeeper:
-    return AnchorKeeper(RetentionSettings.model_validate(settings), Metrics())
+    cfg = RetentionSettings.model_validate(settings)
+    return AnchorKeeper(cfg, Metrics(), _no_touches, _no_touches)
 
 
 def call(k: AnchorKeeper, sid: str, agent: str, at: float, tenant: str = "t") -> None:

@@ -7,6 +7,8 @@ Targets (``--targets``, default: every one that applies):
   (:mod:`loadgen.workloads.hints`);
 * ``full+dispatch``: ``full``, with kvkeeper's cache-aware dispatch on (``dispatch_ahead`` 2,
   :mod:`proxy.dispatch`): the engine's queue kept short, fewest uncached tokens first;
+* ``full+unbounded``: ``full`` with no retention overhead budget (``max_overhead_share`` None,
+  :mod:`policy.overhead`): touches and warm-ups recompute whatever they need;
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -72,11 +74,24 @@ HINTED: dict[str, HintMode] = {
     "session": "session",
     "full": "full",
     "full+dispatch": "full",
+    "full+unbounded": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
-TARGET_RETENTION: dict[str, dict[str, Any]] = {"full+dispatch": {"dispatch_ahead": 2}}
+TARGET_RETENTION: dict[str, dict[str, Any]] = {
+    "full+dispatch": {"dispatch_ahead": 2},
+    "full+unbounded": {"max_overhead_share": None},
+}
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
-TARGETS = ("engine", "none", "session", "full", "full+dispatch", "round-robin", "vllm-router")
+TARGETS = (
+    "engine",
+    "none",
+    "session",
+    "full",
+    "full+dispatch",
+    "full+unbounded",
+    "round-robin",
+    "vllm-router",
+)
 EXTRA_COUNTERS = (
     "kvkeeper_touches_total",
     "kvkeeper_expiries_total",

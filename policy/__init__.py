@@ -2,8 +2,9 @@
 
 Modules: ``horizon`` (LRU horizon estimate), ``keepalive`` (touch schedule), ``budget`` (soft-TTL
 budget, pressure overrides), ``tree`` (parent/child rules), ``routing`` (engine choice),
-``predictor`` (next-agent Markov model), ``gaps`` (time-to-resume model), ``costmodel`` (keep /
-offload / drop, warm-ups). Time is always passed in as ``now``; nothing here reads a clock.
+``overhead`` (what touches and warm-ups may recompute), ``predictor`` (next-agent Markov
+model), ``gaps`` (time-to-resume model), ``costmodel`` (keep / offload / drop, warm-ups). Time is
+always passed in as ``now``; nothing here reads a clock.
 """
 
 from policy.budget import (
@@ -47,6 +48,7 @@ from policy.keepalive import (
     touch_cost_tokens,
     touch_interval,
 )
+from policy.overhead import OverheadBudget, OverheadConfig
 from policy.predictor import TransitionConfig, TransitionModel
 from policy.routing import (
     EngineCandidate,
@@ -89,6 +91,8 @@ __all__ = [
     "IdleSession",
     "KeepaliveConfig",
     "KeepalivePlan",
+    "OverheadBudget",
+    "OverheadConfig",
     "ProtectedSession",
     "Retention",
     "RetentionDecision",

@@ -206,9 +206,13 @@ class AnchorKeeper:
         )
         for anchor_id in chosen:
             anchor, view = views[anchor_id]
+            reserved = es.overhead.admit_touch()
+            if reserved is None:
+                self.metrics.anchor_touches.labels(es.engine.name, "over_budget").inc()
+                continue
             anchor.in_flight = True
             self._track(
-                self._touch(es, anchor, view.resident_blocks),
+                self._touch(es, anchor, view.resident_blocks, reserved),
                 anchor.touch_done,
             )
 
@@ -240,8 +244,16 @@ class AnchorKeeper:
         anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
         anchor.first = anchor.second = None
 
-    async def _touch(self, es: EngineState, anchor: Anchor, resident: int) -> None:
-        """Re-send the anchor's still-resident blocks (plus one token), like a session touch."""
+    async def _touch(self, es: EngineState, anchor: Anchor, resident: int, reserved: float) -> None:
+        """Re-send the anchor's still-resident blocks (plus one token), like a session touch;
+        settle the ``reserved`` overhead credit with what it recomputed."""
+        recomputed = 0
+        try:
+            recomputed = await self._touch_anchor(es, anchor, resident)
+        finally:
+            es.overhead.settle(reserved, recomputed, touch=True)
+
+    async def _touch_anchor(self, es: EngineState, anchor: Anchor, resident: int) -> int:
         bs = es.adapter.cache.block_size
         tokens = anchor.tokens[: resident * bs + 1]
         name = es.engine.name
@@ -252,10 +264,10 @@ class AnchorKeeper:
         except AdapterError as exc:
             self.metrics.anchor_touches.labels(name, "failed").inc()
             log.warning("anchor touch of %s failed: %s", anchor.agent, exc)
-            return
+            return 0
         if result is None:  # not served within the touch deadline: abandoned
             self.metrics.anchor_touches.labels(name, "late").inc()
-            return
+            return 0
         now = time.time()
         if now > anchor.last_used:  # (a call of its agent may have come in meanwhile)
             anchor.last_used, anchor.held = now, True
@@ -264,6 +276,7 @@ class AnchorKeeper:
         self.metrics.anchor_touches.labels(name, "ok").inc()
         self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
         self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)
+        return result.recomputed_tokens
 
     def view(self, engine: str, now: float, tenant: str | None = None) -> list[dict[str, Any]]:
         """The engine's learned anchors (of ``tenant`` only, when given) for the admin API."""

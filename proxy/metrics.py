@@ -114,6 +114,12 @@ class Metrics:
             ["engine", "outcome"],
             registry=r,
         )
+        self.overhead_credit = Gauge(
+            "kvkeeper_retention_credit_tokens",
+            "Recompute credit left to touches and warm-ups (retention.max_overhead_share)",
+            ["engine"],
+            registry=r,
+        )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
         self.prefetches = Counter("kvkeeper_prefetches", "Prefetch warm-ups run", registry=r)
         self.evictions = Counter("kvkeeper_evictions", "Sessions evicted by edits", registry=r)

@@ -137,9 +137,11 @@ class SessionOps:
         stored = await es.tier.lookup(tokens)
         touched = False
         if stored < want:  # not (fully) in the tier yet: one touch stores it through the connector
-            await self.retention.replay(
+            result = await self.retention.replay(
                 es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
             )
+            # asked for explicitly, so not refused for credit, but what it recomputed counts
+            es.overhead.settle(0.0, result.recomputed_tokens if result else 0)
             touched = True
             stored = await es.tier.lookup(tokens)
         if stored < want:
@@ -168,12 +170,16 @@ class SessionOps:
             tokens = await self._tokens(es, session, edit)
             if tokens:
                 tier_tokens = detail["tier_tokens"] = await es.tier.lookup(tokens)
-        declined = await self._decline_warmup(es, session, edit, tier_tokens)
-        if declined is not None:
-            return declined
-        result = await self.retention.replay(
-            es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
-        )
+        admitted = await self._admit_warmup(es, session, edit, tier_tokens)
+        if isinstance(admitted, EditResult):
+            return admitted
+        result = None
+        try:
+            result = await self.retention.replay(
+                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
+            )
+        finally:
+            es.overhead.settle(admitted, result.recomputed_tokens if result else 0)
         if result is None:
             return EditResult(edit, "rejected", "no_recorded_context")
         self.metrics.prefetches.inc()
@@ -188,17 +194,39 @@ class SessionOps:
             )
         return EditResult(edit, "applied", None, detail)
 
-    async def _decline_warmup(
+    async def _admit_warmup(
         self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None = None
-    ) -> EditResult | None:
-        """A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
+    ) -> EditResult | float:
+        """The overhead credit reserved for a warm-up, or why it is declined.
+
+        A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
         re-prefills what neither the engine nor the tier kept. Decline it when that lost part
         is more than ``prefetch_max_pool_share`` of the pool: LRU would evict it (and others'
         prefixes) again before the resume, which pays for it anyway if it comes. Decline it
         too while requests wait at the engine (its pool or its token budget is full): the
         re-prefill would only move the resume's compute ahead of theirs, and evict what they
-        are about to use. (A resident prefix is still warmed: that costs one token and moves
-        it to LRU's safe end.)"""
+        are about to use; and when the engine's retention credit (``max_overhead_share``) does
+        not cover the re-prefill. (A resident prefix is still warmed: that costs one token and
+        moves it to LRU's safe end.) Without KV events the lost part is unknown: the warm-up
+        runs while the credit is not overdrawn, and pays what it recomputed afterwards."""
+        declined = await self._decline_warmup(es, session, edit, tier_tokens)
+        if isinstance(declined, EditResult):
+            return declined
+        missing_tokens = declined * es.adapter.cache.block_size + 1 if declined else 1
+        if not es.overhead.admit(missing_tokens):
+            return EditResult(
+                edit,
+                "rejected",
+                "exceeds_overhead_budget",
+                {"recompute_tokens": missing_tokens, "credit_tokens": int(es.overhead.credit)},
+            )
+        return float(missing_tokens)
+
+    async def _decline_warmup(
+        self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None
+    ) -> EditResult | int | None:
+        """The prefix blocks a warm-up would re-prefill (None: unknown), or why it is declined
+        (see :meth:`_admit_warmup`)."""
         if es.subscriber is None or es.load is None:
             return None
         blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
@@ -222,7 +250,7 @@ class SessionOps:
             if waiting > 0:
                 detail["waiting"] = int(waiting)
                 return EditResult(edit, "rejected", "engine_busy", detail)
-        return None
+        return missing
 
     async def _pin(self, es: EngineState, session: Session, edit: Edit, ttl_s: float) -> EditResult:
         await self.store.protect(

@@ -52,6 +52,8 @@ from policy import (
     HorizonConfig,
     HorizonEstimator,
     KeepaliveConfig,
+    OverheadBudget,
+    OverheadConfig,
     ProtectedSession,
     plan_budget,
     plan_touches,
@@ -160,6 +162,8 @@ class EngineState:
     last_horizon_s: float = math.inf
     horizon_source: str = "unknown"
     no_tokenize: bool = False
+    # what touches and warm-ups may still recompute here (configured by Retention)
+    overhead: OverheadBudget = field(default_factory=OverheadBudget)
 
     def __post_init__(self) -> None:
         self.tap = HorizonTap(self.index, self.estimator)
@@ -195,6 +199,13 @@ class Retention:
         self.store = store
         self.engines = {e.engine.name: e for e in engines}
         self.settings = settings
+        for es in engines:
+            es.overhead = OverheadBudget(
+                OverheadConfig(
+                    share=settings.max_overhead_share,
+                    burst_tokens=float(settings.overhead_burst_tokens),
+                )
+            )
         self.metrics = metrics
         self.client = client
         self.holder = uuid.uuid4().hex[:12]
@@ -254,6 +265,12 @@ class Retention:
         )
 
     # --- request path hooks -------------------------------------------------------------------
+    def served(self, engine: str, prompt_tokens: int) -> None:
+        """A client's request on ``engine`` was served: it earns retention its share."""
+        es = self.engines.get(engine)
+        if es is not None:
+            es.overhead.earn(prompt_tokens)
+
     def on_completion(self, engine: str, usage: Usage | None, before: Upserted) -> None:
         """After a hinted request: feed the horizon in feedback mode (blocks are learned lazily).
 
@@ -432,9 +449,14 @@ class Retention:
             if current and self._resident(es, blocks[sk]) == 0:
                 self._mark_lost(es, session)
                 continue
-            self._spawn_touch(es, session)
+            reserved = es.overhead.admit_touch()
+            if reserved is None:
+                self.metrics.touches.labels(es.engine.name, "over_budget").inc()
+                continue
+            self._spawn_touch(es, session, reserved)
         if es.lost:  # forget the losses of sessions no longer protected here
             es.lost = {sk: v for sk, v in es.lost.items() if _key(*sk) in by_key}
+        self.metrics.overhead_credit.labels(es.engine.name).set(es.overhead.credit)
 
     def _mark_lost(self, es: EngineState, session: Session) -> None:
         """The engine already evicted the session's prefix: a touch would be a full re-prefill
@@ -558,10 +580,10 @@ class Retention:
         return everyone - overridden
 
     # --- touches and warm-ups ---------------------------------------------------------------------
-    def _spawn_touch(self, es: EngineState, session: Session) -> None:
+    def _spawn_touch(self, es: EngineState, session: Session, reserved: float) -> None:
         key = (session.tenant, session.session_id)
         es.in_flight.add(key)
-        self._track(self._touch(es, session), lambda: es.in_flight.discard(key))
+        self._track(self._touch(es, session, reserved=reserved), lambda: es.in_flight.discard(key))
 
     def _track(self, touch: Coroutine[Any, Any, None], on_done: Callable[[], None]) -> None:
         """Run a touch as a task that ``stop`` cancels; ``on_done`` when it ends."""
@@ -575,12 +597,28 @@ class Retention:
         task.add_done_callback(done)
 
     async def _touch(
-        self, es: EngineState, session: Session, limit_blocks: int | None = None
+        self,
+        es: EngineState,
+        session: Session,
+        limit_blocks: int | None = None,
+        *,
+        reserved: float = 0.0,
     ) -> None:
         """Refresh the session's prefix. Only its still-resident leading blocks are re-sent
         (found from the recorded context itself, so ids learned before the context last changed
         cannot mislead it): the evicted tail would be a re-prefill the resume pays anyway if it
-        comes, so a touch recomputes one token whatever LRU already took."""
+        comes, so a touch recomputes one token whatever LRU already took. ``reserved``: the
+        overhead credit admitted for it, settled here with what it really recomputed."""
+        recomputed = 0
+        try:
+            recomputed = await self._touch_session(es, session, limit_blocks)
+        finally:
+            es.overhead.settle(reserved, recomputed, touch=True)
+
+    async def _touch_session(
+        self, es: EngineState, session: Session, limit_blocks: int | None
+    ) -> int:
+        """The touch itself; the prompt tokens it recomputed (0 when it did not run)."""
         try:
             result = await self.replay(
                 es,
@@ -592,16 +630,18 @@ class Retention:
             )
         except _PrefixLost:
             self._mark_lost(es, session)
-            return
+            return 0
         except _TouchLate:
             self.metrics.touches.labels(es.engine.name, "late").inc()
-            return
+            return 0
         except (AdapterError, StoreDown, ValueError) as exc:
             self.metrics.touches.labels(es.engine.name, "failed").inc()
             log.warning("touch of %s failed: %s", session.session_id, exc)
-            return
+            return 0
         if result is None:
             self.metrics.touches.labels(es.engine.name, "no_context").inc()
+            return 0
+        return result.recomputed_tokens
 
     async def replay(
         self,
@@ -724,6 +764,13 @@ class Retention:
             "resident_blocks": {m: es.index.size(m) for m in es.index.media()},
             "offload_tier": es.tier is not None,
             "touches_in_flight": len(es.in_flight),
+            "overhead": {
+                "max_share": es.overhead.config.share,
+                "credit_tokens": round(es.overhead.credit, 1),
+                "touch_estimate_tokens": round(es.overhead.touch_estimate, 1),
+                "recomputed_tokens": int(es.overhead.spent),
+                "declined": es.overhead.declined,
+            },
             "pressure_overrides_now": len(es.overridden),
             "anchors": (
                 self.anchors.view(name, time.time(), tenant) if self.anchors is not None else []

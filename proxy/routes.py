@@ -149,6 +149,8 @@ async def _forward(
         rt.learn_size(len(body), usage.prompt_tokens)
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
+        if rt.retention is not None:
+            rt.retention.served(engine.name, usage.prompt_tokens)
     return resp, engine, usage, reg
 
 

@@ -380,6 +380,49 @@ async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, names
         assert idle["status"] == "applied", idle
 
 
+@pytest.mark.parametrize(("share", "burst"), [(0.01, 64), (1e-6, 0)])
+async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_tokens(
+    redis_server: RedisServer, namespace: str, share: float, burst: int
+) -> None:
+    """The overhead budget (``max_overhead_share``): at 1% of the prompt tokens served, in a
+    64-token bucket, touches of a resident prefix (a token each) fit, and the protected session
+    survives a flood; the re-prefill of an evicted session (31 blocks, about 1,000 tokens) does
+    not fit, so its warm-up is declined. With no bucket and 0.0001% no touch fits: the
+    protection lapses, and the clients' requests are served as ever."""
+    async with sim_stack(
+        redis_server.url, namespace, max_overhead_share=share, overhead_burst_tokens=burst
+    ) as st:
+        served = (
+            await st.complete(prompt(1), {"session_id": "kept", "cache_control": {"ttl": 300}})
+        )["usage"]["prompt_tokens"]
+        served += (await st.complete(prompt(2, 1000), {"session_id": "w"}))["usage"][
+            "prompt_tokens"
+        ]
+        await _known_blocks(st, "kept")
+        await _known_blocks(st, "w", n=31)
+        served += await _flood(st)
+        kept = cached(await st.complete(prompt(1), {"session_id": "kept"}))
+        warm = (await st.manage("w", "prefetch"))["results"][0]
+        assert warm["status"] == "rejected" and warm["reason"] == "exceeds_overhead_budget", warm
+        assert warm["detail"]["recompute_tokens"] == 31 * BLOCK + 1
+        assert await st.metric("kvkeeper_warmup_prompt_tokens_total") == 0  # none sent
+        admin = {"Authorization": "Bearer admin-secret"}
+        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        overhead = engines["data"][0]["retention"]["overhead"]
+        recomputed = await st.metric("kvkeeper_touch_recomputed_tokens_total")
+        assert overhead["max_share"] == share and overhead["recomputed_tokens"] == recomputed
+        # within the share of what was served, give or take one touch's misestimate
+        assert recomputed <= share * served + burst + BLOCK, (recomputed, served)
+        declined = await st.metric("kvkeeper_touches_total", label='outcome="over_budget"')
+        if share == 0.01:
+            assert kept >= 0.95 * FULL, (kept, overhead, declined, served)
+            assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') >= 1
+        else:
+            assert kept == 0
+            assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 0
+            assert declined >= 1 and overhead["declined"] >= declined
+
+
 async def _agent_call(st, sid: str, agent: str, tokens: list[int]) -> int:  # type: ignore[no-untyped-def]
     body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "agent_hint": {"session_id": sid}}
     resp = await st.proxy.post("/v1/completions", json=body, headers={"X-Agent-Name": agent})

@@ -1,0 +1,100 @@
+"""The retention overhead budget: how much prefill kvkeeper's own requests may cost an engine.
+
+Retention's real cost is the prompt tokens the engine recomputes for kvkeeper's requests: a
+touch recomputes one token when its prefix is still cached, more when LRU took the prefix's
+tail while the touch waited in the queue; a warm-up re-prefills what neither the engine nor an
+offload tier kept. On a congested engine that prefill delays the clients' own requests.
+
+The budget caps it at ``share`` of the prompt tokens the engine served to clients: a token
+bucket that earns ``share`` credit per served prompt token, up to ``burst_tokens`` (so a quiet
+period cannot bank an unbounded burst), and starts full. A touch or warm-up is admitted only
+when the credit covers its expected cost; the estimate is reserved at admission (so touches
+admitted in one tick cannot spend the same credit twice) and settled against what the engine
+reported once the request ends. A touch that recomputed more than reserved leaves the credit
+negative: nothing more is admitted until served traffic pays it back. Over any stretch of
+traffic the recompute therefore stays within ``share`` x served + ``burst_tokens``, plus what
+the requests in flight at its end overshoot their estimates.
+
+A touch's cost is not known in advance (it depends on what LRU takes while it waits), so the
+budget keeps a running estimate: an exponentially weighted mean of recent touches' recompute.
+
+Pure: nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadConfig:
+    """``share``: recomputed retention tokens per served prompt token (None = unbounded);
+    ``burst_tokens``: the most credit the bucket holds (and starts with);
+    ``touch_alpha``: weight of the newest touch in the running touch-cost estimate."""
+
+    share: float | None = 0.015
+    burst_tokens: float = 8192.0
+    touch_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.share is not None and not 0.0 < self.share <= 1.0:
+            raise ValueError("share must be within (0, 1] (or None: unbounded)")
+        if self.burst_tokens < 0:
+            raise ValueError("burst_tokens must be >= 0")
+        if not 0.0 < self.touch_alpha <= 1.0:
+            raise ValueError("touch_alpha must be within (0, 1]")
+
+
+class OverheadBudget:
+    """One engine's retention budget (see the module docstring)."""
+
+    __slots__ = ("config", "credit", "declined", "spent", "touch_estimate")
+
+    def __init__(self, config: OverheadConfig | None = None, touch_estimate: float = 1.0) -> None:
+        self.config = config or OverheadConfig()
+        self.credit = self.config.burst_tokens
+        self.touch_estimate = max(1.0, touch_estimate)  # a resident prefix costs one token
+        self.spent = 0.0  # recomputed tokens settled so far
+        self.declined = 0  # admissions refused so far
+
+    @property
+    def bounded(self) -> bool:
+        return self.config.share is not None
+
+    def earn(self, served_prompt_tokens: int) -> None:
+        """Credit for prompt tokens the engine served to a client."""
+        if self.config.share is None or served_prompt_tokens <= 0:
+            return
+        self.credit = min(
+            self.config.burst_tokens, self.credit + self.config.share * served_prompt_tokens
+        )
+
+    def admit(self, expected_tokens: float) -> bool:
+        """Reserve ``expected_tokens`` of credit for a touch or warm-up; False (nothing
+        reserved) when the credit does not cover it."""
+        if self.config.share is None:
+            return True
+        cost = max(0.0, expected_tokens)
+        if cost > self.credit or (cost == 0.0 and self.credit < 0.0):
+            self.declined += 1
+            return False
+        self.credit -= cost
+        return True
+
+    def admit_touch(self) -> float | None:
+        """Admit a touch at the running estimate; the amount reserved, or None if declined."""
+        cost = math.ceil(self.touch_estimate)
+        return float(cost) if self.admit(cost) else None
+
+    def settle(self, reserved: float, recomputed: float, *, touch: bool = False) -> None:
+        """A request admitted with ``reserved`` credit ended having recomputed ``recomputed``
+        tokens (0 when abandoned before it ran); a touch also updates the estimate."""
+        actual = max(0.0, recomputed)
+        self.spent += actual
+        if touch:
+            a = self.config.touch_alpha
+            self.touch_estimate = max(1.0, self.touch_estimate + a * (actual - self.touch_estimate))
+        if self.config.share is None:
+            return
+        self.credit = min(self.config.burst_tokens, self.credit + reserved - actual)

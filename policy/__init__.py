@@ -46,6 +46,7 @@ from policy.keepalive import (
     expected_touch_rate,
     plan_touches,
     touch_cost_tokens,
+    touch_extent,
     touch_interval,
 )
 from policy.overhead import OverheadBudget, OverheadConfig
@@ -124,6 +125,7 @@ __all__ = [
     "score_engine",
     "session_value",
     "touch_cost_tokens",
+    "touch_extent",
     "touch_interval",
     "warm_gain_s",
     "warm_work_s",

@@ -129,6 +129,24 @@ def plan_touches(
     )
 
 
+def touch_extent(n_blocks: int, resident: int, allocation_rate: float, latency_s: float) -> int:
+    """How many leading blocks of a prefix a touch re-sends (0: none worth touching).
+
+    LRU takes a freed prefix tail first (vLLM frees a request's blocks in reverse order), so a
+    prefix that has lost blocks (``resident < n_blocks``) has the allocation front inside it:
+    until the touch is scheduled, ``latency_s`` from now, the front takes about
+    ``allocation_rate * latency_s`` more of its blocks. Re-sending those would re-prefill them,
+    a warm-up at the cost of a congested engine rather than a touch; stopping short of them
+    keeps the touch at one recomputed token. A prefix still whole is sent whole (how far the
+    front is from its tail is not known).
+    """
+    if resident <= 0 or n_blocks <= 0:
+        return 0
+    if resident >= n_blocks:
+        return n_blocks
+    return max(0, resident - math.ceil(max(0.0, allocation_rate) * max(0.0, latency_s)))
+
+
 def touch_cost_tokens(prompt_tokens: int, block_size: int) -> int:
     """Tokens a touch recomputes when the prefix is still cached: the uncached tail.
 

@@ -57,6 +57,7 @@ from policy import (
     ProtectedSession,
     plan_budget,
     plan_touches,
+    touch_extent,
 )
 from policy.horizon import RateMeter, fill_time_horizon
 from proxy.anchors import AnchorKeeper
@@ -164,6 +165,8 @@ class EngineState:
     no_tokenize: bool = False
     # what touches and warm-ups may still recompute here (configured by Retention)
     overhead: OverheadBudget = field(default_factory=OverheadBudget)
+    touch_latency_s: float = 0.05  # running mean of how long touches take to be served
+    trimmed_blocks: int = 0  # blocks touches stopped short of (the front would take them first)
 
     def __post_init__(self) -> None:
         self.tap = HorizonTap(self.index, self.estimator)
@@ -632,6 +635,7 @@ class Retention:
             self._mark_lost(es, session)
             return 0
         except _TouchLate:
+            es.touch_latency_s += 0.2 * (self.settings.touch_deadline_s - es.touch_latency_s)
             self.metrics.touches.labels(es.engine.name, "late").inc()
             return 0
         except (AdapterError, StoreDown, ValueError) as exc:
@@ -671,6 +675,12 @@ class Retention:
             if exact:
                 ids = es.adapter.hasher.block_ids(tokens, cache_salt=salt)
                 resident = es.index.resident_prefix(ids)
+                if not warmup:  # stop short of what LRU takes before the touch is served
+                    assert es.tap is not None
+                    rate = es.tap.stores.rate(time.time())
+                    extent = touch_extent(len(ids), resident, rate, es.touch_latency_s)
+                    es.trimmed_blocks += resident - extent
+                    resident = extent
                 offset = resident if offset is None else min(offset, resident)
                 if offset == 0:
                     raise _PrefixLost
@@ -699,6 +709,7 @@ class Retention:
             self.metrics.warmup_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.warmup_recomputed_tokens.inc(recomputed)
         else:
+            es.touch_latency_s += 0.2 * (result.seconds - es.touch_latency_s)
             self.metrics.touches.labels(es.engine.name, "ok").inc()
             self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.touch_recomputed_tokens.inc(recomputed)
@@ -764,6 +775,8 @@ class Retention:
             "resident_blocks": {m: es.index.size(m) for m in es.index.media()},
             "offload_tier": es.tier is not None,
             "touches_in_flight": len(es.in_flight),
+            "touch_latency_s": round(es.touch_latency_s, 4),
+            "touch_trimmed_blocks": es.trimmed_blocks,
             "overhead": {
                 "max_share": es.overhead.config.share,
                 "credit_tokens": round(es.overhead.credit, 1),

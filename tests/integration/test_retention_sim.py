@@ -249,6 +249,42 @@ async def test_a_touch_resends_only_the_resident_prefix(
         assert await st.metric("kvkeeper_touches_total", label='outcome="skipped_lost"') == 1
 
 
+async def test_a_touch_stops_short_of_the_blocks_lru_takes_before_it_runs(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """A prefix LRU has begun to evict has the allocation front inside it: a touch re-sends
+    only the resident blocks the front will not reach before the touch is served (allocation
+    rate x touch latency), so it recomputes one token, not the blocks taken meanwhile."""
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
+        hint = {"session_id": "part", "cache_control": {"type": "ephemeral", "ttl": 300}}
+        await st.complete(prompt(1), hint)
+        retention, es = _engine_state(st)
+        await st.runtime().settle()
+        session = await retention.store.get("default", "part")
+        assert session is not None
+        blocks = await retention.blocks_of("default", "part", session)
+        await _flood(st, n=3)  # 189 blocks through a 200-block pool: the session's tail goes
+
+        async def partly() -> bool:
+            return 0 < (retention._resident(es, blocks) or 0) < 63
+
+        assert await wait_for(partly), retention._resident(es, blocks)
+        resident = retention._resident(es, blocks)
+        assert resident is not None
+        es.touch_latency_s = 0.0  # served at once: every resident block is safe
+        await retention._touch(es, session)
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == resident * BLOCK + 1
+        assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 1
+        assert es.trimmed_blocks == 0
+        # served in a minute at the flood's allocation rate: the front takes all of it first
+        es.touch_latency_s = 60.0
+        sent = await st.metric("kvkeeper_touch_prompt_tokens_total")
+        await retention._touch(es, session)
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") == sent  # nothing sent
+        assert await st.metric("kvkeeper_touches_total", label='outcome="skipped_lost"') == 1
+        assert es.trimmed_blocks == resident
+
+
 async def test_dispatch_gate_serves_resident_prefixes_first(
     redis_server: RedisServer, namespace: str
 ) -> None:

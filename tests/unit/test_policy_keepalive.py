@@ -12,6 +12,7 @@ from policy.keepalive import (
     expected_touch_rate,
     plan_touches,
     touch_cost_tokens,
+    touch_extent,
     touch_interval,
 )
 
@@ -117,3 +118,21 @@ def test_touch_interval() -> None:
 def test_config_rejects_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):  # noqa: PT011
         KeepaliveConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "resident", "rate", "latency", "expected"),
+    [
+        (100, 100, 500.0, 0.1, 100),  # whole: sent whole, wherever the front is
+        (100, 80, 500.0, 0.1, 30),  # the front is inside it: 50 more blocks go first
+        (100, 80, 500.0, 0.2, 0),  # all of what is left goes before the touch runs
+        (100, 80, 0.0, 0.1, 80),  # nothing is being allocated: all 80 are safe
+        (100, 80, 10.0, 0.01, 79),  # a fraction of a block still costs the last one
+        (100, 0, 0.0, 0.1, 0),  # nothing resident: nothing to touch
+        (0, 0, 0.0, 0.1, 0),
+    ],
+)
+def test_touch_extent_stops_short_of_what_the_front_takes_first(
+    n_blocks: int, resident: int, rate: float, latency: float, expected: int
+) -> None:
+    assert touch_extent(n_blocks, resident, rate, latency) == expected

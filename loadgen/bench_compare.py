@@ -7,8 +7,9 @@ Targets (``--targets``, default: every one that applies):
   (:mod:`loadgen.workloads.hints`);
 * ``full+dispatch``: ``full``, with kvkeeper's cache-aware dispatch on (``dispatch_ahead`` 2,
   :mod:`proxy.dispatch`): the engine's queue kept short, fewest uncached tokens first;
-* ``full+unbounded``: ``full`` with no retention overhead budget (``max_overhead_share`` None,
-  :mod:`policy.overhead`): touches and warm-ups recompute whatever they need;
+* ``full+unbounded`` (only when named): ``full`` with no retention overhead budget
+  (``max_overhead_share`` None, :mod:`policy.overhead`): touches and warm-ups recompute
+  whatever they need;
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -81,6 +82,7 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "full+dispatch": {"dispatch_ahead": 2},
     "full+unbounded": {"max_overhead_share": None},
 }
+ON_REQUEST = frozenset({"full+unbounded"})  # A/B of one setting: run only when named
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
     "engine",
@@ -139,7 +141,9 @@ def plan_targets(
 ) -> list[tuple[str, str | None]]:
     """``(target, reason skipped or None)`` in run order."""
     names = list(requested) or [
-        t for t in TARGETS if (t == "engine") == (replicas == 1) or t in HINTED
+        t
+        for t in TARGETS
+        if t not in ON_REQUEST and ((t == "engine") == (replicas == 1) or t in HINTED)
     ]
     out: list[tuple[str, str | None]] = []
     for name in names:

@@ -83,6 +83,7 @@ class RequestRecord:
     stop: str = "end_turn"
     status: int = 0
     error: str | None = None
+    response_id: str | None = None  # the engine's id of the answer (the simulator's names it)
 
     @property
     def latency(self) -> float:
@@ -375,6 +376,8 @@ class _Player:
 
 def _apply_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:
     """Fold one SSE chunk into the record: first text -> TTFT; usage -> token counts."""
+    if rec.response_id is None and isinstance(chunk.get("id"), str):
+        rec.response_id = chunk["id"]
     if rec.ttft is None:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}

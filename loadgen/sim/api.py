@@ -153,8 +153,13 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+# the first 8 hex digits of every response id this simulator process gives: a benchmark behind a
+# router (vllm-router relays bodies unchanged) can tell from the id which replica served a call
+INSTANCE = uuid.uuid4().hex[:8]
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{INSTANCE}{uuid.uuid4().hex[8:]}"
 
 
 def now() -> int:

@@ -58,6 +58,7 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
                         ("full+dispatch", None)]),
         ((), 2, "/x", [("none", None), ("session", None), ("full", None), ("full+dispatch", None),
                        ("round-robin", None), ("vllm-router", None)]),
+        (("full", "full+unbounded"), 1, None, [("full", None), ("full+unbounded", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),
           ("vllm-router", "vllm-router is not installed")]),
@@ -109,6 +110,9 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
             raise AssertionError(f"{name}: {len(errors)} failed requests: {errors[:3]}")
         assert t["requests"] == n_calls
         assert t["prompt_tokens"] == prompt  # token ids: the engine saw the workload's tokens
+        # every answer names the simulator process that served it (one replica: one name)
+        recorded = json.loads((out / f"{name}.json").read_text())["requests"]
+        assert len({r["response_id"].split("-")[1][:8] for r in recorded}) == 1
         assert 0.0 < t["hit_rate"] <= planned["inf"] + 1e-9
     # a plain client through kvkeeper sends the same requests as one straight to the engine
     assert targets["none"]["retention_prompt_tokens"] == 0

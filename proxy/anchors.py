@@ -273,6 +273,7 @@ class AnchorKeeper:
             anchor.last_used, anchor.held = now, True
         assert es.tap is not None
         es.tap.note_used(anchor.blocks[:resident], now)
+        es.retention_sent += result.prompt_tokens
         self.metrics.anchor_touches.labels(name, "ok").inc()
         self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
         self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)

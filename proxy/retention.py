@@ -165,6 +165,10 @@ class EngineState:
     no_tokenize: bool = False
     # what touches and warm-ups may still recompute here (configured by Retention)
     overhead: OverheadBudget = field(default_factory=OverheadBudget)
+    # the engine's prefix-cache queries (prompt tokens scheduled, by every client) at the last
+    # scrape, and the prompt tokens retention sent since: served traffic earns the credit
+    queries_seen: float | None = None
+    retention_sent: int = 0
     touch_latency_s: float = 0.05  # running mean of how long touches take to be served
     trimmed_blocks: int = 0  # blocks touches stopped short of (the front would take them first)
 
@@ -269,10 +273,24 @@ class Retention:
 
     # --- request path hooks -------------------------------------------------------------------
     def served(self, engine: str, prompt_tokens: int) -> None:
-        """A client's request on ``engine`` was served: it earns retention its share."""
+        """A client's request on ``engine`` was served through this proxy: it earns retention
+        its share, unless the engine's own counter says what all clients were served (it also
+        counts the traffic other kvkeeper replicas and direct clients sent, see ``_earn``)."""
         es = self.engines.get(engine)
-        if es is not None:
+        if es is not None and es.queries_seen is None:
             es.overhead.earn(prompt_tokens)
+
+    @staticmethod
+    def _earn(es: EngineState, queries: float | None) -> None:
+        """Credit from the engine's ``prefix_cache_queries`` counter (prompt tokens it scheduled,
+        whoever sent them) less the prompt tokens retention itself sent since the last reading.
+        A counter that went back (the engine restarted) counts from zero."""
+        if queries is None:
+            return
+        if es.queries_seen is not None:
+            delta = queries - es.queries_seen if queries >= es.queries_seen else queries
+            es.overhead.earn(int(max(0.0, delta - es.retention_sent)))
+        es.queries_seen, es.retention_sent = queries, 0
 
     def on_completion(self, engine: str, usage: Usage | None, before: Upserted) -> None:
         """After a hinted request: feed the horizon in feedback mode (blocks are learned lazily).
@@ -516,6 +534,7 @@ class Retention:
             m = await es.adapter.metrics()
         except AdapterError:
             return
+        self._earn(es, m.prefix_cache_queries)
         pool = (
             m.cache_config.num_blocks if m.cache_config else None
         ) or es.adapter.cache.num_blocks
@@ -702,6 +721,7 @@ class Retention:
         assert es.tap is not None
         es.tap.note_used(await self.blocks_of(tenant, sid), now)
         recomputed = result.recomputed_tokens
+        es.retention_sent += result.prompt_tokens
         # the session's counters first: with no await after it, a touch is either counted in
         # both places or (cancelled before) in neither
         await self.store.touched(tenant, sid, now, recomputed, warmup=warmup)
@@ -779,6 +799,9 @@ class Retention:
             "touch_trimmed_blocks": es.trimmed_blocks,
             "overhead": {
                 "max_share": es.overhead.config.share,
+                # what earns the credit: the engine's query counter (every client's traffic) or,
+                # until it has been read, the traffic this proxy forwarded
+                "earned_from": "engine" if es.queries_seen is not None else "proxy",
                 "credit_tokens": round(es.overhead.credit, 1),
                 "touch_estimate_tokens": round(es.overhead.touch_estimate, 1),
                 "recomputed_tokens": int(es.overhead.spent),

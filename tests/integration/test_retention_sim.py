@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import aiohttp
 import pytest
 
 from tests.helpers.redis_server import RedisServer
@@ -457,6 +458,38 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
             assert kept == 0
             assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 0
             assert declined >= 1 and overhead["declined"] >= declined
+
+
+async def test_traffic_that_reached_the_engine_another_way_earns_retention_credit(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """The credit follows the engine's own prefix-cache query counter, so traffic another
+    kvkeeper replica (or any client) sent the engine counts too, less retention's own."""
+    async with sim_stack(
+        redis_server.url, namespace, max_overhead_share=0.01, overhead_burst_tokens=10**6
+    ) as st:
+        _, es = _engine_state(st)
+
+        async def read() -> bool:
+            return es.queries_seen is not None
+
+        assert await wait_for(read), "the engine's counter was never read"
+        es.overhead.credit = 0.0
+        sent = 0
+        async with aiohttp.ClientSession() as http:
+            for i in range(3):  # straight to the engine, not through this proxy
+                body = {"model": "sim", "prompt": prompt(500 + i), "max_tokens": 1}
+                async with http.post(st.sim.url + "/v1/completions", json=body) as resp:
+                    sent += (await resp.json())["usage"]["prompt_tokens"]
+
+        async def earned() -> bool:
+            return es.overhead.credit >= 0.01 * sent
+
+        assert await wait_for(earned), (es.overhead.credit, sent)
+        assert es.overhead.credit <= 0.01 * sent + 1
+        admin = {"Authorization": "Bearer admin-secret"}
+        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        assert engines["data"][0]["retention"]["overhead"]["earned_from"] == "engine"
 
 
 async def _agent_call(st, sid: str, agent: str, tokens: list[int]) -> int:  # type: ignore[no-untyped-def]

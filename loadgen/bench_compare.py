@@ -566,8 +566,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [
         "",
         "Gap closed: (hit - baseline hit) / (realized Belady - baseline hit); baseline = "
-        "`engine` (vanilla LRU), else `round-robin`. Retention shares are of all prompt "
-        "tokens sent (workload + touches + warm-ups).",
+        "`engine` (vanilla LRU), else `round-robin`. Retention prompt share: of all prompt "
+        "tokens sent (workload + touches + warm-ups); retention recomputed share: of the "
+        "workload's own prompt tokens.",
         "",
     ]
     counters = {n: t.get("counters") for n, t in doc["targets"].items() if t.get("counters")}

@@ -34,7 +34,7 @@ class OverheadConfig:
     ``touch_alpha``: weight of the newest touch in the running touch-cost estimate."""
 
     share: float | None = 0.015
-    burst_tokens: float = 8192.0
+    burst_tokens: float = 4096.0
     touch_alpha: float = 0.2
 
     def __post_init__(self) -> None:

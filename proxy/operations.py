@@ -137,11 +137,28 @@ class SessionOps:
         stored = await es.tier.lookup(tokens)
         touched = False
         if stored < want:  # not (fully) in the tier yet: one touch stores it through the connector
-            result = await self.retention.replay(
-                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
-            )
-            # asked for explicitly, so not refused for credit, but what it recomputed counts
-            es.overhead.settle(0.0, result.recomputed_tokens if result else 0)
+            # what the engine no longer holds is re-prefilled just to be stored: retention's
+            # cost, within its credit like a warm-up's
+            missing = await self._lost_blocks(es, session, edit)
+            reserved = float(missing * es.adapter.cache.block_size + 1)
+            if not es.overhead.admit(reserved):
+                return EditResult(
+                    edit,
+                    "rejected",
+                    "exceeds_overhead_budget",
+                    {"recompute_tokens": int(reserved), "credit_tokens": int(es.overhead.credit)},
+                )
+            result = None
+            try:
+                result = await self.retention.replay(
+                    es,
+                    session.tenant,
+                    session.session_id,
+                    warmup=True,
+                    limit_blocks=edit.block_end,
+                )
+            finally:
+                es.overhead.settle(reserved, result.recomputed_tokens if result else 0)
             touched = True
             stored = await es.tier.lookup(tokens)
         if stored < want:
@@ -162,6 +179,16 @@ class SessionOps:
             None,
             {"stored_tokens": stored, "pinned_chunks": pinned, "touched": touched},
         )
+
+    async def _lost_blocks(self, es: EngineState, session: Session, edit: Edit) -> int:
+        """Blocks of the session's prefix (up to ``edit.block_end``) the engine no longer holds
+        (0 without KV events: unknown)."""
+        if es.subscriber is None:
+            return 0
+        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
+        if edit.block_end is not None:
+            blocks = blocks[: edit.block_end]
+        return len(blocks) - es.index.resident_prefix(blocks) if blocks else 0
 
     async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
         detail: dict[str, Any] = {}

@@ -117,7 +117,7 @@ class RetentionSettings(BaseModel):
     # what touches and warm-ups may make an engine recompute, as a share of the prompt tokens it
     # served to clients (policy/overhead.py: a token bucket; None = unbounded)
     max_overhead_share: float | None = Field(default=0.015, gt=0, le=1)
-    overhead_burst_tokens: int = Field(default=8192, ge=0)  # the bucket's size (starts full)
+    overhead_burst_tokens: int = Field(default=4096, ge=0)  # the bucket's size (starts full)
     # a prefetch warm-up that would re-prefill more than this share of the pool is declined
     prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)
     # agent anchors (proxy/anchors.py): kept warm for the agents predicted to run next; off by

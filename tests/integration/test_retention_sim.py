@@ -173,6 +173,40 @@ async def test_offload_prefetch_evict_through_the_cpu_tier(
         assert tier is not None and await tier.lookup(prompt(1)) == 0
 
 
+@pytest.mark.parametrize(("burst", "status"), [(64, "rejected"), (4096, "applied")])
+async def test_an_offload_that_must_re_prefill_spends_retention_credit(
+    redis_server: RedisServer, namespace: str, burst: int, status: str
+) -> None:
+    """Neither the GPU nor the (small) tier kept the session: storing it means re-prefilling
+    its 63 blocks, which the retention credit must cover like a warm-up's."""
+    async with sim_stack(
+        redis_server.url,
+        namespace,
+        cpu_blocks=100,
+        max_overhead_share=1e-6,
+        overhead_burst_tokens=burst,
+    ) as st:
+        await st.complete(prompt(1), {"session_id": "w"})
+        await _known_blocks(st, "w")
+        await _flood(st)  # gone from the GPU, and from a tier of 100 blocks
+        _, es = _engine_state(st)
+
+        async def lost() -> bool:
+            blocks = await st.runtime().retention.blocks_of("default", "w")
+            return es.index.resident_prefix(blocks) == 0
+
+        assert await wait_for(lost), "the flood never evicted the session"
+        off = (await st.manage("w", "offload"))["results"][0]
+        assert off["status"] == status, off
+        if status == "rejected":
+            assert off["reason"] == "exceeds_overhead_budget"
+            assert off["detail"]["recompute_tokens"] == 63 * BLOCK + 1
+            assert await st.metric("kvkeeper_warmup_prompt_tokens_total") == 0  # none sent
+        else:
+            assert off["detail"]["touched"] is True
+            assert es.overhead.spent >= 1792  # the re-prefill was paid from the credit
+
+
 async def test_offload_without_a_tier_is_unsupported(
     redis_server: RedisServer, namespace: str
 ) -> None:

@@ -202,7 +202,8 @@ class Runtime:
         if self.retention is not None:  # the index remembers what each engine's cache holds
             for e in ranked:
                 pool = self.retention.pool_tokens(e.name)
-                limit = int(pool / self.chunk_tokens) if pool is not None else None
+                factor = self.settings.placement.index_pool_factor
+                limit = int(factor * pool / self.chunk_tokens) if pool is not None else None
                 if limit is not None and limit != self.prefixes.limit(e.name):
                     self.prefixes.set_limit(e.name, limit)
         decision = place_by_prefix(

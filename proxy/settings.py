@@ -142,6 +142,8 @@ class PlacementSettings(BaseModel):
     # (3: a prefix moves only for a queue three times its size; at 1, swarm-r2-p50 duplicated
     # agent anchors on both replicas and lost 5-7 points of hit rate, BENCHMARKS.md)
     miss_weight: float = Field(default=3.0, gt=0)
+    # how many of its KV cache's worth of prompt chunks the prefix index remembers per replica
+    index_pool_factor: float = Field(default=1.0, gt=0)
 
 
 class Settings(BaseSettings):

@@ -257,6 +257,7 @@ class AnchorKeeper:
         bs = es.adapter.cache.block_size
         tokens = anchor.tokens[: resident * bs + 1]
         name = es.engine.name
+        es.retention_sent += len(tokens)  # counted when sent, not earned
         try:
             result = await self._in_time(
                 es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
@@ -273,7 +274,6 @@ class AnchorKeeper:
             anchor.last_used, anchor.held = now, True
         assert es.tap is not None
         es.tap.note_used(anchor.blocks[:resident], now)
-        es.retention_sent += result.prompt_tokens
         self.metrics.anchor_touches.labels(name, "ok").inc()
         self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
         self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)

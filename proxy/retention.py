@@ -287,10 +287,17 @@ class Retention:
         A counter that went back (the engine restarted) counts from zero."""
         if queries is None:
             return
-        if es.queries_seen is not None:
-            delta = queries - es.queries_seen if queries >= es.queries_seen else queries
-            es.overhead.earn(int(max(0.0, delta - es.retention_sent)))
-        es.queries_seen, es.retention_sent = queries, 0
+        if es.queries_seen is None:
+            es.queries_seen, es.retention_sent = queries, 0
+            return
+        delta = queries - es.queries_seen if queries >= es.queries_seen else queries
+        # retention counts a touch when it sends it, the engine when it schedules it, which can
+        # fall in the next reading: what retention sent beyond this reading's growth is carried
+        # over, never forgiven (on the swarm, touches re-send about as many prompt tokens as
+        # the clients send, so forgiving them would let retention earn from its own touches)
+        earned = delta - es.retention_sent
+        es.overhead.earn(int(max(0.0, earned)))
+        es.queries_seen, es.retention_sent = queries, int(max(0.0, -earned))
 
     def on_completion(self, engine: str, usage: Usage | None, before: Upserted) -> None:
         """After a hinted request: feed the horizon in feedback mode (blocks are learned lazily).
@@ -708,6 +715,7 @@ class Retention:
             # so a prompt of exactly N blocks would recompute (and not refresh) the N-th; this
             # one hits all N and recomputes a single token
             tokens = tokens[: max(1, offset) * es.adapter.cache.block_size + 1]
+            es.retention_sent += len(tokens)  # counted when sent, not earned (see _earn)
             result = await self._in_time(
                 es.adapter.touch_tokens(tokens, cache_salt=salt), warmup=warmup
             )
@@ -715,13 +723,14 @@ class Retention:
             result = await self._in_time(
                 es.adapter.touch(ctx.route, ctx.prefix_body()), warmup=warmup
             )
+            es.retention_sent += result.prompt_tokens  # (its length known only now)
         else:
             result = await self._touch_other(es, ctx)
+            es.retention_sent += result.prompt_tokens
         now = time.time()
         assert es.tap is not None
         es.tap.note_used(await self.blocks_of(tenant, sid), now)
         recomputed = result.recomputed_tokens
-        es.retention_sent += result.prompt_tokens
         # the session's counters first: with no await after it, a touch is either counted in
         # both places or (cancelled before) in neither
         await self.store.touched(tenant, sid, now, recomputed, warmup=warmup)

@@ -1,0 +1,44 @@
+"""How retention earns its overhead credit from the engine's prefix-cache query counter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from policy.overhead import OverheadBudget, OverheadConfig
+from proxy.retention import Retention
+
+
+def engine_state() -> Any:
+    budget = OverheadBudget(OverheadConfig(share=0.01, burst_tokens=10**9))
+    budget.credit = 0.0
+    return SimpleNamespace(overhead=budget, queries_seen=None, retention_sent=0)
+
+
+def test_clients_traffic_earns_and_retentions_own_does_not() -> None:
+    es = engine_state()
+    Retention._earn(es, 1_000.0)  # the first reading is the baseline
+    assert es.overhead.credit == 0
+    es.retention_sent += 500  # a touch of 500 tokens sent, scheduled with 10,000 of clients'
+    Retention._earn(es, 11_500.0)
+    assert es.overhead.credit == pytest.approx(100)  # 1% of the 10,000
+
+
+def test_a_touch_counted_by_the_engine_a_reading_later_is_carried_not_forgiven() -> None:
+    es = engine_state()
+    Retention._earn(es, 0.0)
+    es.retention_sent += 8_000  # sent now, scheduled after this reading
+    Retention._earn(es, 1_000.0)  # 1,000 of clients' tokens only
+    assert es.overhead.credit == 0 and es.retention_sent == 7_000
+    Retention._earn(es, 10_000.0)  # the touch's 8,000 and 1,000 more of clients'
+    assert es.overhead.credit == pytest.approx(20)  # 1% of the 2,000 clients' tokens in all
+    assert es.retention_sent == 0
+
+
+def test_a_counter_that_went_back_counts_from_zero() -> None:
+    es = engine_state()
+    Retention._earn(es, 50_000.0)
+    Retention._earn(es, 3_000.0)  # the engine restarted
+    assert es.overhead.credit == pytest.approx(30)

@@ -33,7 +33,7 @@ class OverheadConfig:
     ``burst_tokens``: the most credit the bucket holds (and starts with);
     ``touch_alpha``: weight of the newest touch in the running touch-cost estimate."""
 
-    share: float | None = 0.015
+    share: float | None = 0.01
     burst_tokens: float = 4096.0
     touch_alpha: float = 0.2
 

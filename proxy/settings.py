@@ -116,7 +116,7 @@ class RetentionSettings(BaseModel):
     dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
     # what touches and warm-ups may make an engine recompute, as a share of the prompt tokens it
     # served to clients (policy/overhead.py: a token bucket; None = unbounded)
-    max_overhead_share: float | None = Field(default=0.015, gt=0, le=1)
+    max_overhead_share: float | None = Field(default=0.01, gt=0, le=1)
     overhead_burst_tokens: int = Field(default=4096, ge=0)  # the bucket's size (starts full)
     # a prefetch warm-up that would re-prefill more than this share of the pool is declined
     prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)

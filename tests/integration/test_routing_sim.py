@@ -8,6 +8,7 @@ from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from loadgen.sim import SimConfig, run_simulator
@@ -153,3 +154,40 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
             assert limit == int(pool / rt.chunk_tokens)
             assert 0 < rt.prefixes.size(name) <= limit
         assert rt.prefixes.match(home, chain) == 0  # the engine evicted it; the index let it go
+
+
+async def test_the_prefix_index_can_remember_several_caches_worth(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """``placement.index_pool_factor`` 4: the index remembers four caches' worth of prompts per
+    replica, so a conversation whose context the engine may have partly kept stays where it
+    was (vllm-router's never-forgetting tree does the same); the same 15 prompts that pushed
+    the first out of a 1x index leave it claimed."""
+    async with AsyncExitStack() as stack:
+        client = await two_replicas(
+            stack,
+            redis_server,
+            namespace,
+            num_blocks=300,
+            placement={"index_pool_factor": 4.0},
+            tick_s=0.05,
+        )
+        rt = client.server.app[RUNTIME]
+        assert rt.retention is not None
+        names = [e.name for e in rt.pool.engines]
+
+        async def pools_known() -> bool:
+            return all(rt.retention.pool_tokens(n) for n in names)  # type: ignore[union-attr]
+
+        assert await wait_for(pools_known), "the replicas' pool sizes were never scraped"
+        first = prompt(1)
+        home = await placed(client, first)
+        raw = json.dumps({"model": "sim", "prompt": first, "max_tokens": 1}).encode()
+        chain = hash_chain(raw, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
+        for seed in range(2, 16):
+            await placed(client, prompt(seed))
+        pool = 300 * SimConfig().block_size
+        for name in names:  # (set at the last placement: tokens per chunk is learned since)
+            assert rt.prefixes.limit(name) == pytest.approx(4.0 * pool / rt.chunk_tokens, rel=0.05)
+        assert rt.prefixes.match(home, chain) == len(chain)
+        assert await placed(client, first) == home

@@ -35,6 +35,18 @@ def _engine_state(st):  # type: ignore[no-untyped-def]
     return retention, next(iter(retention.engines.values()))
 
 
+async def _protected(st, sid: str):  # type: ignore[no-untyped-def]
+    """A protected session of one 2,017-token prompt: retention, engine state, session, blocks."""
+    await st.complete(
+        prompt(1), {"session_id": sid, "cache_control": {"type": "ephemeral", "ttl": 300}}
+    )
+    retention, es = _engine_state(st)
+    await st.runtime().settle()
+    session = await retention.store.get("default", sid)
+    assert session is not None
+    return retention, es, session, await retention.blocks_of("default", sid, session)
+
+
 async def _known_blocks(st, sid: str, i: int = 0, n: int = 63) -> None:  # type: ignore[no-untyped-def]
     retention = st.runtime(i).retention
 
@@ -254,13 +266,7 @@ async def test_a_touch_resends_only_the_resident_prefix(
 ) -> None:
     # ticks far apart: this test drives the touches itself
     async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
-        hint = {"session_id": "part", "cache_control": {"type": "ephemeral", "ttl": 300}}
-        await st.complete(prompt(1), hint)
-        retention, es = _engine_state(st)
-        await st.runtime().settle()
-        session = await retention.store.get("default", "part")
-        assert session is not None
-        blocks = await retention.blocks_of("default", "part", session)
+        retention, es, session, blocks = await _protected(st, "part")
         assert len(blocks) == 63 and retention._resident(es, blocks) == 63  # all resident
         await retention._touch(es, session, 10)  # only the first 10 blocks
         # one token past the 10 blocks: all 10 hit (vLLM looks up at most prompt - 1 tokens)
@@ -291,13 +297,7 @@ async def test_a_touch_stops_short_of_the_blocks_lru_takes_before_it_runs(
     only the resident blocks the front will not reach before the touch is served (allocation
     rate x touch latency), so it recomputes one token, not the blocks taken meanwhile."""
     async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
-        hint = {"session_id": "part", "cache_control": {"type": "ephemeral", "ttl": 300}}
-        await st.complete(prompt(1), hint)
-        retention, es = _engine_state(st)
-        await st.runtime().settle()
-        session = await retention.store.get("default", "part")
-        assert session is not None
-        blocks = await retention.blocks_of("default", "part", session)
+        retention, es, session, blocks = await _protected(st, "part")
         await _flood(st, n=3)  # 189 blocks through a 200-block pool: the session's tail goes
 
         async def partly() -> bool:

@@ -58,6 +58,19 @@ async def placed(client: TestClient[Any, Any], tokens: list[int]) -> str:
     return str(resp.headers["X-KVKeeper-Engine"])
 
 
+async def _pools_known(client: TestClient[Any, Any]) -> tuple[Any, list[str]]:
+    """The runtime and its replicas' names, once retention has scraped every pool size."""
+    rt = client.server.app[RUNTIME]
+    assert rt.retention is not None
+    names = [e.name for e in rt.pool.engines]
+
+    async def known() -> bool:
+        return all(rt.retention.pool_tokens(n) for n in names)
+
+    assert await wait_for(known), "the replicas' pool sizes were never scraped"
+    return rt, names
+
+
 async def test_sessions_stay_children_follow_and_unhinted_spread(
     redis_server: RedisServer, namespace: str
 ) -> None:
@@ -128,14 +141,7 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
     cached there, so placement does not send its requests back to recompute it."""
     async with AsyncExitStack() as stack:
         client = await two_replicas(stack, redis_server, namespace, num_blocks=300, tick_s=0.05)
-        rt = client.server.app[RUNTIME]
-        assert rt.retention is not None
-        names = [e.name for e in rt.pool.engines]
-
-        async def pools_known() -> bool:
-            return all(rt.retention.pool_tokens(n) for n in names)  # type: ignore[union-attr]
-
-        assert await wait_for(pools_known), "the replicas' pool sizes were never scraped"
+        rt, names = await _pools_known(client)
         pool = 300 * SimConfig().block_size
         assert rt.retention.pool_tokens(names[0]) == pool
 
@@ -172,14 +178,7 @@ async def test_the_prefix_index_can_remember_several_caches_worth(
             placement={"index_pool_factor": 4.0},
             tick_s=0.05,
         )
-        rt = client.server.app[RUNTIME]
-        assert rt.retention is not None
-        names = [e.name for e in rt.pool.engines]
-
-        async def pools_known() -> bool:
-            return all(rt.retention.pool_tokens(n) for n in names)  # type: ignore[union-attr]
-
-        assert await wait_for(pools_known), "the replicas' pool sizes were never scraped"
+        rt, names = await _pools_known(client)
         first = prompt(1)
         home = await placed(client, first)
         raw = json.dumps({"model": "sim", "prompt": first, "max_tokens": 1}).encode()

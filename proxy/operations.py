@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from adapters.base import AdapterError
+from adapters.base import AdapterError, TouchResult
 from proxy.context import decode_context
 from proxy.edits import EditResult
 from proxy.hints import Edit
@@ -140,25 +140,11 @@ class SessionOps:
             # what the engine no longer holds is re-prefilled just to be stored: retention's
             # cost, within its credit like a warm-up's
             missing = await self._lost_blocks(es, session, edit)
-            reserved = float(missing * es.adapter.cache.block_size + 1)
-            if not es.overhead.admit(reserved):
-                return EditResult(
-                    edit,
-                    "rejected",
-                    "exceeds_overhead_budget",
-                    {"recompute_tokens": int(reserved), "credit_tokens": int(es.overhead.credit)},
-                )
-            result = None
-            try:
-                result = await self.retention.replay(
-                    es,
-                    session.tenant,
-                    session.session_id,
-                    warmup=True,
-                    limit_blocks=edit.block_end,
-                )
-            finally:
-                es.overhead.settle(reserved, result.recomputed_tokens if result else 0)
+            paid = await self._paid_replay(
+                es, session, edit, missing * es.adapter.cache.block_size + 1
+            )
+            if isinstance(paid, EditResult):
+                return paid
             touched = True
             stored = await es.tier.lookup(tokens)
         if stored < want:
@@ -197,16 +183,12 @@ class SessionOps:
             tokens = await self._tokens(es, session, edit)
             if tokens:
                 tier_tokens = detail["tier_tokens"] = await es.tier.lookup(tokens)
-        admitted = await self._admit_warmup(es, session, edit, tier_tokens)
-        if isinstance(admitted, EditResult):
-            return admitted
-        result = None
-        try:
-            result = await self.retention.replay(
-                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
-            )
-        finally:
-            es.overhead.settle(admitted, result.recomputed_tokens if result else 0)
+        cost = await self._warmup_cost(es, session, edit, tier_tokens)
+        if isinstance(cost, EditResult):
+            return cost
+        result = await self._paid_replay(es, session, edit, cost)
+        if isinstance(result, EditResult):
+            return result
         if result is None:
             return EditResult(edit, "rejected", "no_recorded_context")
         self.metrics.prefetches.inc()
@@ -221,10 +203,32 @@ class SessionOps:
             )
         return EditResult(edit, "applied", None, detail)
 
-    async def _admit_warmup(
+    async def _paid_replay(
+        self, es: EngineState, session: Session, edit: Edit, recompute_tokens: int
+    ) -> EditResult | TouchResult | None:
+        """Re-send the session's prefix (a warm-up) when the engine's retention credit covers
+        the ``recompute_tokens`` it is expected to cost, settled afterwards with what it did
+        recompute; else why not. None: no recorded context."""
+        if not es.overhead.admit(recompute_tokens):
+            return EditResult(
+                edit,
+                "rejected",
+                "exceeds_overhead_budget",
+                {"recompute_tokens": recompute_tokens, "credit_tokens": int(es.overhead.credit)},
+            )
+        result = None
+        try:
+            result = await self.retention.replay(
+                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
+            )
+        finally:
+            es.overhead.settle(recompute_tokens, result.recomputed_tokens if result else 0)
+        return result
+
+    async def _warmup_cost(
         self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None = None
-    ) -> EditResult | float:
-        """The overhead credit reserved for a warm-up, or why it is declined.
+    ) -> EditResult | int:
+        """The tokens a warm-up is expected to recompute, or why it is declined.
 
         A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
         re-prefills what neither the engine nor the tier kept. Decline it when that lost part
@@ -232,28 +236,21 @@ class SessionOps:
         prefixes) again before the resume, which pays for it anyway if it comes. Decline it
         too while requests wait at the engine (its pool or its token budget is full): the
         re-prefill would only move the resume's compute ahead of theirs, and evict what they
-        are about to use; and when the engine's retention credit (``max_overhead_share``) does
-        not cover the re-prefill. (A resident prefix is still warmed: that costs one token and
-        moves it to LRU's safe end.) Without KV events the lost part is unknown: the warm-up
-        runs while the credit is not overdrawn, and pays what it recomputed afterwards."""
+        are about to use; and (:meth:`_paid_replay`) when the engine's retention credit
+        (``max_overhead_share``) does not cover the re-prefill. (A resident prefix is still
+        warmed: that costs one token and moves it to LRU's safe end.) Without KV events the
+        lost part is unknown: the warm-up runs while the credit is not overdrawn, and pays what
+        it recomputed afterwards."""
         declined = await self._decline_warmup(es, session, edit, tier_tokens)
         if isinstance(declined, EditResult):
             return declined
-        missing_tokens = declined * es.adapter.cache.block_size + 1 if declined else 1
-        if not es.overhead.admit(missing_tokens):
-            return EditResult(
-                edit,
-                "rejected",
-                "exceeds_overhead_budget",
-                {"recompute_tokens": missing_tokens, "credit_tokens": int(es.overhead.credit)},
-            )
-        return float(missing_tokens)
+        return declined * es.adapter.cache.block_size + 1 if declined else 1
 
     async def _decline_warmup(
         self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None
     ) -> EditResult | int | None:
         """The prefix blocks a warm-up would re-prefill (None: unknown), or why it is declined
-        (see :meth:`_admit_warmup`)."""
+        (see :meth:`_warmup_cost`)."""
         if es.subscriber is None or es.load is None:
             return None
         blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)

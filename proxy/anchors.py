@@ -46,7 +46,7 @@ log = logging.getLogger("kvkeeper.anchors")
 # runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
 InTime = Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]]
 # runs a touch as one of the retention layer's tasks, then the callback
-Track = Callable[[Coroutine[Any, Any, None], Callable[[], None]], None]
+Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None]], None]
 
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
@@ -212,8 +212,7 @@ class AnchorKeeper:
                 continue
             anchor.in_flight = True
             self._track(
-                self._touch(es, anchor, view.resident_blocks, reserved),
-                anchor.touch_done,
+                es, self._touch(es, anchor, view.resident_blocks), reserved, anchor.touch_done
             )
 
     async def _learn(self, es: EngineState, anchor: Anchor) -> None:
@@ -244,16 +243,9 @@ class AnchorKeeper:
         anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
         anchor.first = anchor.second = None
 
-    async def _touch(self, es: EngineState, anchor: Anchor, resident: int, reserved: float) -> None:
+    async def _touch(self, es: EngineState, anchor: Anchor, resident: int) -> int:
         """Re-send the anchor's still-resident blocks (plus one token), like a session touch;
-        settle the ``reserved`` overhead credit with what it recomputed."""
-        recomputed = 0
-        try:
-            recomputed = await self._touch_anchor(es, anchor, resident)
-        finally:
-            es.overhead.settle(reserved, recomputed, touch=True)
-
-    async def _touch_anchor(self, es: EngineState, anchor: Anchor, resident: int) -> int:
+        the prompt tokens it recomputed."""
         bs = es.adapter.cache.block_size
         tokens = anchor.tokens[: resident * bs + 1]
         name = es.engine.name

@@ -218,7 +218,7 @@ class Retention:
         self.holder = uuid.uuid4().hex[:12]
         self._blocks: dict[tuple[str, str], tuple[float, tuple[int, ...]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._touches: set[asyncio.Task[None]] = set()
+        self._touches: set[asyncio.Task[int]] = set()
         self._tokenize = asyncio.Semaphore(8)
         self._stopping = asyncio.Event()
         self.anchors = (
@@ -612,42 +612,42 @@ class Retention:
     def _spawn_touch(self, es: EngineState, session: Session, reserved: float) -> None:
         key = (session.tenant, session.session_id)
         es.in_flight.add(key)
-        self._track(self._touch(es, session, reserved=reserved), lambda: es.in_flight.discard(key))
+        self._track(es, self._touch(es, session), reserved, lambda: es.in_flight.discard(key))
 
-    def _track(self, touch: Coroutine[Any, Any, None], on_done: Callable[[], None]) -> None:
-        """Run a touch as a task that ``stop`` cancels; ``on_done`` when it ends."""
+    def _track(
+        self,
+        es: EngineState,
+        touch: Coroutine[Any, Any, int],
+        reserved: float,
+        on_done: Callable[[], None],
+    ) -> None:
+        """Run a touch (returning the prompt tokens it recomputed) as a task that ``stop``
+        cancels; when it ends, settle the overhead credit ``reserved`` for it with what it
+        recomputed, then ``on_done``."""
         task = asyncio.create_task(touch)
         self._touches.add(task)
 
-        def done(t: asyncio.Task[None]) -> None:
+        def done(t: asyncio.Task[int]) -> None:
             self._touches.discard(t)
+            recomputed = 0
+            if not t.cancelled():
+                if (exc := t.exception()) is not None:
+                    log.error("touch on %s failed", es.engine.name, exc_info=exc)
+                else:
+                    recomputed = t.result()
+            es.overhead.settle(reserved, recomputed, touch=True)
             on_done()
 
         task.add_done_callback(done)
 
     async def _touch(
-        self,
-        es: EngineState,
-        session: Session,
-        limit_blocks: int | None = None,
-        *,
-        reserved: float = 0.0,
-    ) -> None:
-        """Refresh the session's prefix. Only its still-resident leading blocks are re-sent
-        (found from the recorded context itself, so ids learned before the context last changed
-        cannot mislead it): the evicted tail would be a re-prefill the resume pays anyway if it
-        comes, so a touch recomputes one token whatever LRU already took. ``reserved``: the
-        overhead credit admitted for it, settled here with what it really recomputed."""
-        recomputed = 0
-        try:
-            recomputed = await self._touch_session(es, session, limit_blocks)
-        finally:
-            es.overhead.settle(reserved, recomputed, touch=True)
-
-    async def _touch_session(
-        self, es: EngineState, session: Session, limit_blocks: int | None
+        self, es: EngineState, session: Session, limit_blocks: int | None = None
     ) -> int:
-        """The touch itself; the prompt tokens it recomputed (0 when it did not run)."""
+        """Refresh the session's prefix; the prompt tokens it recomputed (0: it did not run).
+        Only its still-resident leading blocks are re-sent (found from the recorded context
+        itself, so ids learned before the context last changed cannot mislead it): the evicted
+        tail would be a re-prefill the resume pays anyway if it comes, so a touch recomputes
+        one token whatever LRU already took."""
         try:
             result = await self.replay(
                 es,

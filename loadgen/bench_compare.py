@@ -53,6 +53,7 @@ from loadgen import ceiling
 from loadgen.bench_cli import _add_workload_args, workload_from_args
 from loadgen.metrics import parse_counters, summarize
 from loadgen.runner import RunOptions, RunResult, Target, run_workload
+from loadgen.sim.engine import SCHEDULING_POLICIES
 from loadgen.sim.profiles import PROFILES
 from loadgen.sim.server import SimConfig, SimEndpoints
 from loadgen.targets import (
@@ -679,6 +680,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--cpu-blocks", type=int, default=0, help="simulator CPU tier (0: none)")
     p.add_argument("--no-offload", action="store_true", help="do not give kvkeeper the CPU tier")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="the simulators' waiting-queue order (every target's engine)",
+    )
     p.add_argument("--max-model-len", type=int, default=262_144)
     p.add_argument("--model", default="sim")
     p.add_argument(
@@ -720,6 +727,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
         cpu_blocks=args.cpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
     )
     return CompareSpec(
         out=Path(args.out),

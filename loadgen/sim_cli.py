@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 
+from loadgen.sim.engine import SCHEDULING_POLICIES
 from loadgen.sim.profiles import PROFILES
 from loadgen.sim.server import SimConfig, serve_forever
 
@@ -55,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--max-model-len", type=int, default=_D.max_model_len, help="context cap")
     p.add_argument("--reply-tokens", type=int, default=_D.reply_tokens,
                    help="length of the canned answer before EOS")  # fmt: skip
+    p.add_argument("--scheduling-policy", default=_D.scheduling_policy,
+                   choices=SCHEDULING_POLICIES,
+                   help="waiting-queue order: arrival, or (priority, arrival) with requests' "
+                        "`priority` field or X-Vllm-Priority header, as vLLM's flag")  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     p.set_defaults(func=run)
 
@@ -79,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         reply_tokens=args.reply_tokens,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

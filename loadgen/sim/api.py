@@ -6,10 +6,11 @@ vLLM's ``{"error": {"message", "type", "param", "code"}}`` body.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ ENGINE = web.AppKey("engine", SimEngine)
 TOKENIZER = web.AppKey("tokenizer", SimTokenizer)
 MODEL = web.AppKey("model", str)
 REPLY = web.AppKey("reply", list[int])
+PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM 0.32: overrides the body's ``priority``
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,15 +77,29 @@ class GenParams:
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    priority: int = 0
 
     @classmethod
-    def parse(cls, body: dict[str, Any], *, max_key: str = "max_tokens") -> GenParams:
+    def parse(
+        cls,
+        body: dict[str, Any],
+        *,
+        max_key: str = "max_tokens",
+        headers: Mapping[str, str] | None = None,
+    ) -> GenParams:
         max_tokens = body.get(max_key, body.get("max_completion_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise _bad(f"{max_key} must be a positive integer")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise _bad("cache_salt must be a non-empty string")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise _bad("priority must be an integer")
+        header = (headers or {}).get(PRIORITY_HEADER)
+        if header is not None:  # vLLM: the header wins over the body field; junk is ignored
+            with contextlib.suppress(ValueError):
+                priority = int(header)
         opts = body.get("stream_options") or {}
         return cls(
             max_tokens=max_tokens,
@@ -92,6 +108,7 @@ class GenParams:
             cache_salt=salt,
             stream=bool(body.get("stream", False)),
             include_usage=bool(opts.get("include_usage", False)),
+            priority=priority,
         )
 
 
@@ -104,6 +121,7 @@ def submit(request: web.Request, prompt: list[int], params: GenParams) -> SimReq
         min_tokens=params.min_tokens,
         ignore_eos=params.ignore_eos,
         reply=request.app[REPLY],
+        priority=params.priority,
     )
 
 

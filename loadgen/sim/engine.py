@@ -1,13 +1,15 @@
 """The simulated engine core: vLLM V1's scheduler loop over the block pool, in wall-clock time.
 
-Each step (``vllm/v1/core/sched/scheduler.py``, FCFS):
+Each step (``vllm/v1/core/sched/scheduler.py``):
 
 1. running requests first, in order, each taking up to the remaining token budget
    (``max_num_batched_tokens``); when the pool cannot give one of them a block, the LAST running
    request is preempted (blocks freed, progress reset, back to the front of the waiting queue)
-   until it fits or the request preempts itself;
-2. if nobody was preempted, waiting requests join while budget and ``max_num_seqs`` allow: a
-   prefix-cache lookup (plus the CPU tier, when present) decides how many tokens are already
+   until it fits or the request preempts itself; under ``--scheduling-policy priority`` the
+   victim is the running request with the largest (priority, arrival) instead;
+2. if nobody was preempted, waiting requests join in queue order (arrival, or (priority,
+   arrival) under the priority policy) while budget and ``max_num_seqs`` allow, the first that
+   does not fit stopping the rest: a prefix-cache lookup (plus the CPU tier, when present) decides how many tokens are already
    computed, and a long prompt gets only the budget left (chunked prefill);
 3. the step "runs" for the time the profile gives, then every request whose scheduled tokens
    reach the end of its sequence samples one token; finished requests free their blocks.
@@ -20,16 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from loadgen.sim.block_pool import BlockPool, KVEvent
 from loadgen.sim.cpu_tier import CpuTier
 from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
 from loadgen.sim.profiles import Profile
 from loadgen.sim.stats import EngineStats
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +51,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # --long-prefill-token-threshold (0: off)
     max_model_len: int = 131_072  # --max-model-len
     cpu_blocks: int = 0  # CPU tier size in blocks (0: no tier)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # --scheduling-policy
     speed: float = 1.0  # >1 runs faster than the profile
     reply_tokens: int = 16  # length of the canned answer before EOS
 
@@ -66,6 +74,7 @@ class SimRequest:
     ignore_eos: bool
     reply: list[int]
     arrival: float
+    priority: int = 0  # lower is served first under the priority policy; ignored under FCFS
     outputs: asyncio.Queue[int | Finished] = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # set at first scheduling (usage.cached_tokens)
@@ -88,6 +97,53 @@ class _StepPlan:
     cached_tokens: int = 0
     loaded_tokens: int = 0
     decodes: int = 0
+    preempted: bool = False
+
+
+class WaitingQueue:
+    """vLLM's waiting queue: first come, first served (a preempted request goes back to the
+    front), or, under the priority policy, a heap on (priority, arrival) where a preempted
+    request simply rejoins (``vllm/v1/core/sched/request_queue.py``)."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self._fifo: deque[SimRequest] = deque()
+        self._heap: list[tuple[int, float, int, SimRequest]] = []
+        self._order = itertools.count()
+
+    def add(self, req: SimRequest) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival, next(self._order), req))
+        else:
+            self._fifo.append(req)
+
+    def prepend(self, req: SimRequest) -> None:
+        if self.policy == "priority":
+            self.add(req)
+        else:
+            self._fifo.appendleft(req)
+
+    def peek(self) -> SimRequest:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> SimRequest:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, req: SimRequest) -> bool:
+        if self.policy == "fcfs":
+            if req in self._fifo:
+                self._fifo.remove(req)
+                return True
+            return False
+        kept = [e for e in self._heap if e[3] is not req]
+        if len(kept) == len(self._heap):
+            return False
+        self._heap = kept
+        heapq.heapify(self._heap)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
 
 
 class EngineRejected(ValueError):
@@ -113,7 +169,7 @@ class SimEngine:
             CpuTier(chunks, config.block_size, config.hash_seed, self.events) if chunks else None
         )
         self.stats = EngineStats()
-        self.waiting: deque[SimRequest] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[SimRequest] = []
         self._on_events = on_events
         self._wake = asyncio.Event()
@@ -143,6 +199,7 @@ class SimEngine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         reply: list[int],
+        priority: int = 0,
     ) -> SimRequest:
         """Queue a request; raises :class:`EngineRejected` when it can never fit."""
         n = len(prompt_ids)
@@ -162,9 +219,10 @@ class SimEngine:
             ignore_eos=ignore_eos,
             reply=reply or [0],
             arrival=asyncio.get_running_loop().time(),
+            priority=priority,
         )
         self.kv.hasher.update(seq)  # hash once at arrival, like vLLM's request.block_hashes
-        self.waiting.append(req)
+        self.waiting.add(req)
         self._wake.set()
         return req
 
@@ -174,7 +232,7 @@ class SimEngine:
             return
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
+        else:
             self.waiting.remove(req)
         self.kv.free(req.seq)
         self._finish(req, "abort")
@@ -208,6 +266,10 @@ class SimEngine:
                 self._wake.clear()
                 await self._wake.wait()
             plan = self._schedule()
+            if not plan.scheduled and plan.preempted:  # the head preempted itself: step again
+                self.flush_events()
+                await asyncio.sleep(0)
+                continue
             if not plan.scheduled:
                 self.flush_events()
                 self._wake.clear()
@@ -235,7 +297,12 @@ class SimEngine:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.seq, n):
-                victim = self.running.pop()
+                k = self._victim()
+                victim = self.running.pop(k)
+                if k < i:  # priority policy: a request before this one, maybe scheduled already
+                    i -= 1
+                    if any(r is victim for r, _ in plan.scheduled):
+                        budget += self._unplan(plan, victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -246,6 +313,7 @@ class SimEngine:
                 i += 1
                 continue
             break  # the request preempted itself: nothing after it can run either
+        plan.preempted = preempted
         if not preempted:
             self._admit_waiting(plan, budget)
         for req, n in plan.scheduled:
@@ -254,7 +322,7 @@ class SimEngine:
 
     def _admit_waiting(self, plan: _StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             seq = req.seq
             hits = self.kv.get_computed_blocks(seq, preempted=req.num_preemptions > 0)
             local = len(hits) * self.config.block_size
@@ -264,7 +332,7 @@ class SimEngine:
                 seq, n, local + external, hits, full_sequence_must_fit=True
             ):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(req)
             seq.num_computed_tokens = local + external
             if req.num_cached_tokens < 0:
@@ -294,20 +362,44 @@ class SimEngine:
         return threshold if 0 < threshold < n else n
 
     @staticmethod
-    def _plan_add(plan: _StepPlan, req: SimRequest, n: int) -> None:
-        plan.scheduled.append((req, n))
+    def _is_decode(req: SimRequest, n: int) -> bool:
         seq = req.seq
-        if n == 1 and req.output_ids and seq.num_computed_tokens == seq.num_tokens - 1:
+        return n == 1 and bool(req.output_ids) and seq.num_computed_tokens == seq.num_tokens - 1
+
+    def _plan_add(self, plan: _StepPlan, req: SimRequest, n: int) -> None:
+        plan.scheduled.append((req, n))
+        if self._is_decode(req, n):
             plan.decodes += 1
         else:
             plan.prefill_tokens += n
+
+    def _unplan(self, plan: _StepPlan, req: SimRequest) -> int:
+        """Take a running request scheduled earlier in this step back out; its tokens."""
+        k = next(k for k, (r, _) in enumerate(plan.scheduled) if r is req)
+        _, n = plan.scheduled.pop(k)
+        if self._is_decode(req, n):
+            plan.decodes -= 1
+        else:
+            plan.prefill_tokens -= n
+        return n
+
+    def _victim(self) -> int:
+        """Where in ``running`` the request to preempt is: the last one, or under the priority
+        policy the one with the largest (priority, arrival)."""
+        if self.config.scheduling_policy == "priority":
+            return max(range(len(self.running)), key=lambda k: self._rank(self.running[k]))
+        return len(self.running) - 1
+
+    @staticmethod
+    def _rank(req: SimRequest) -> tuple[int, float]:
+        return req.priority, req.arrival
 
     def _preempt(self, req: SimRequest) -> None:
         self.kv.free(req.seq)
         req.seq.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     def _update(self, plan: _StepPlan, now: float) -> None:
         for req, _ in plan.scheduled:

@@ -59,7 +59,7 @@ def chat_prompt(body: dict[str, Any], request: web.Request) -> list[int]:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
-    params = GenParams.parse(body)
+    params = GenParams.parse(body, headers=request.headers)
     prompts = completion_prompts(body, request)
     if params.stream and len(prompts) > 1:
         raise _bad("streaming supports one prompt per request")
@@ -111,7 +111,7 @@ async def _stream_completion(
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
-    params = GenParams.parse(body)
+    params = GenParams.parse(body, headers=request.headers)
     req = submit(request, chat_prompt(body, request), params)
     rid, model = new_id("chatcmpl"), request.app[MODEL]
     if params.stream:
@@ -177,7 +177,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     if not isinstance(body.get("max_tokens"), int):
         raise _bad("max_tokens is required")
-    params = GenParams.parse(body)
+    params = GenParams.parse(body, headers=request.headers)
     req = submit(request, anthropic_prompt(body, request), params)
     rid, model = f"msg_{new_id('sim')[4:]}", request.app[MODEL]
     if params.stream:

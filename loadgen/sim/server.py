@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from loadgen.sim import routes_misc, routes_openai
 from loadgen.sim.api import ENGINE, MODEL, REPLY, TOKENIZER, error_middleware
-from loadgen.sim.engine import EngineConfig, SimEngine
+from loadgen.sim.engine import EngineConfig, SchedulingPolicy, SimEngine
 from loadgen.sim.events import EventPublisher
 from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
 from loadgen.sim.profiles import get_profile
@@ -64,6 +64,7 @@ class SimConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int = 131_072
     reply_tokens: int = 16
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -77,6 +78,7 @@ class SimConfig:
             cpu_blocks=self.cpu_blocks,
             speed=self.speed,
             reply_tokens=self.reply_tokens,
+            scheduling_policy=self.scheduling_policy,
         )
 
 

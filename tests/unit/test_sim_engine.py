@@ -7,8 +7,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
+from aiohttp import web
 
 from adapters.block_hash import BlockHasher
+from loadgen.sim.api import PRIORITY_HEADER, GenParams
 from loadgen.sim.block_pool import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
 from loadgen.sim.cpu_tier import CpuTier
 from loadgen.sim.engine import EngineConfig, EngineRejected, Finished, SimEngine, SimRequest
@@ -225,3 +227,61 @@ async def test_long_prefill_threshold_lets_decodes_share_steps(make_engine: Fact
     # 1,000 tokens in 128-token chunks: 4 full blocks cached per step (the last: 3)
     assert chunks == [4, 4, 4, 4, 4, 4, 4, 3]
     assert len(talker.output_ids) == 40
+
+
+async def _admission_order(engine: SimEngine, priorities: Sequence[int]) -> list[int]:
+    """Indexes of the requests in the order they ran (one sequence at a time)."""
+    order: list[int] = []
+
+    async def run(k: int, req: SimRequest) -> None:
+        await drain(req)
+        order.append(k)
+
+    reqs = [
+        engine.add_request([100 + k] * 8, max_tokens=2, reply=REPLY, priority=p)
+        for k, p in enumerate(priorities)
+    ]
+    await asyncio.gather(*(run(k, r) for k, r in enumerate(reqs)))
+    return order
+
+
+async def test_priority_policy_admits_by_priority_then_arrival(make_engine: Factory) -> None:
+    fcfs, _ = make_engine(num_blocks=64, block_size=4, max_num_seqs=1)
+    prio, _ = make_engine(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    priorities = [0, 5, 1, -2, 1]
+    assert await _admission_order(fcfs, priorities) == [0, 1, 2, 3, 4]  # FCFS ignores it
+    assert await _admission_order(prio, priorities) == [3, 0, 2, 4, 1]
+
+
+async def test_priority_policy_preempts_the_lowest_priority_running_request(
+    make_engine: Factory,
+) -> None:
+    # 4 usable blocks of 4 tokens; each request grows to 4 blocks, so one must give way. Steps
+    # take 5 ms, so ``late`` arrives while ``early`` is running.
+    stepping = Profile("stepping", 0.0, 0.0, 0.0, 0.0, 0.0, 0.005, 1)
+    for policy, victim in (("fcfs", "late"), ("priority", "early")):
+        engine, _ = make_engine(stepping, num_blocks=5, block_size=4, scheduling_policy=policy)
+        early = engine.add_request(
+            [10, 11, 12], max_tokens=12, ignore_eos=True, reply=REPLY, priority=5
+        )
+        first = await asyncio.wait_for(early.outputs.get(), 10)
+        late = engine.add_request(
+            [20, 21, 22], max_tokens=12, ignore_eos=True, reply=REPLY, priority=0
+        )
+        rest, out_late = await asyncio.gather(drain(early), drain(late))
+        assert len([first, *rest]) == len(out_late) == 12
+        preempted = {"early": early.num_preemptions, "late": late.num_preemptions}
+        spared = "late" if victim == "early" else "early"
+        assert preempted[victim] >= 1 and preempted[spared] == 0, (policy, preempted)
+        assert engine.pool.num_free == 4
+
+
+def test_priority_comes_from_the_body_or_vllms_header() -> None:
+    assert GenParams.parse({}).priority == 0
+    assert GenParams.parse({"priority": -3}).priority == -3
+    header = {PRIORITY_HEADER: "7"}
+    assert GenParams.parse({"priority": -3}, headers=header).priority == 7  # the header wins
+    assert GenParams.parse({"priority": 2}, headers={PRIORITY_HEADER: "x"}).priority == 2
+    for bad in ("1", 1.5, True):
+        with pytest.raises(web.HTTPBadRequest):
+            GenParams.parse({"priority": bad})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +32,7 @@ from adapters.prom import engine_metrics_from, parse_text
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETION_ROUTE = "/v1/completions"
+PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM >= 0.32: a request's scheduling priority
 # Chat-request fields that change the prompt's token ids (vLLM's /tokenize chat form takes them).
 _CHAT_PROMPT_KEYS = (
     "messages",
@@ -174,8 +175,11 @@ class VLLMAdapter:
         model: str | None = None,
         cache: CacheConfig | None = None,
         events: EventEndpoints | None = None,
+        touch_priority: Callable[[], int] | None = None,
     ) -> None:
         self.name = name
+        # the engine runs --scheduling-policy priority: touches and warm-ups carry this
+        self.touch_priority = touch_priority
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.cache = cache or CacheConfig()
@@ -237,11 +241,19 @@ class VLLMAdapter:
                     return
             yield chunk
 
-    async def _request_json(self, method: str, path: str, payload: Any = None) -> Any:
+    async def _request_json(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
         timeout = _TOUCH_TIMEOUT if path in (CHAT_ROUTE, COMPLETION_ROUTE) else _JSON_TIMEOUT
         async with (
             map_errors(self.name, path),
-            self._session.request(method, self.url(path), json=payload, timeout=timeout) as resp,
+            self._session.request(
+                method, self.url(path), json=payload, headers=headers, timeout=timeout
+            ) as resp,
         ):
             text = await resp.text()
             if resp.status >= 400:
@@ -281,8 +293,11 @@ class VLLMAdapter:
             raise Unsupported(f"cannot touch requests for {route}")
         payload = touch_body(body)
         payload.setdefault("model", self.model)
+        headers = None
+        if self.touch_priority is not None:
+            headers = {PRIORITY_HEADER: str(self.touch_priority())}
         started = time.monotonic()
-        answer = await self._request_json("POST", route, payload)
+        answer = await self._request_json("POST", route, payload, headers)
         return _usage_result(answer, time.monotonic() - started)
 
     async def warm(self, route: str, body: dict[str, Any]) -> TouchResult:

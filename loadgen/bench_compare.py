@@ -10,6 +10,9 @@ Targets (``--targets``, default: every one that applies):
 * ``full+unbounded`` (only when named): ``full`` with no retention overhead budget
   (``max_overhead_share`` None, :mod:`policy.overhead`): touches and warm-ups recompute
   whatever they need;
+* ``none+priority`` / ``full+priority`` (only when named): ``none`` / ``full`` with kvkeeper's
+  cache-aware admission order (``admission_priority``, :mod:`policy.admission`) on engines run
+  with ``--scheduling-policy priority`` (whatever ``--scheduling-policy`` the others get);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -77,13 +80,19 @@ HINTED: dict[str, HintMode] = {
     "full": "full",
     "full+dispatch": "full",
     "full+unbounded": "full",
+    "none+priority": "none",
+    "full+priority": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
 TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "full+dispatch": {"dispatch_ahead": 2},
     "full+unbounded": {"max_overhead_share": None},
+    "none+priority": {"admission_priority": True},
+    "full+priority": {"admission_priority": True},
 }
-ON_REQUEST = frozenset({"full+unbounded"})  # A/B of one setting: run only when named
+PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
+# A/B of one setting: run only when named
+ON_REQUEST = frozenset({"full+unbounded"}) | PRIORITY_TARGETS
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
     "engine",
@@ -92,6 +101,8 @@ TARGETS = (
     "full",
     "full+dispatch",
     "full+unbounded",
+    "none+priority",
+    "full+priority",
     "round-robin",
     "vllm-router",
 )
@@ -160,8 +171,8 @@ def plan_targets(
 
 
 @contextlib.asynccontextmanager
-async def _engines(spec: CompareSpec) -> AsyncIterator[list[SimEndpoints]]:
-    """Fresh simulators for one target, or the configured real engines (cache reset)."""
+async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoints]]:
+    """Fresh simulators for target ``name``, or the configured real engines (cache reset)."""
     if spec.engine_urls:
         failed = await reset_prefix_cache(spec.engine_urls)
         if failed:
@@ -172,7 +183,8 @@ async def _engines(spec: CompareSpec) -> AsyncIterator[list[SimEndpoints]]:
             for u, e in zip(spec.engine_urls, events, strict=False)
         ]
         return
-    async with start_sims(spec.sim, spec.replicas) as sims:
+    sim = replace(spec.sim, scheduling_policy="priority") if name in PRIORITY_TARGETS else spec.sim
+    async with start_sims(sim, spec.replicas) as sims:
         yield sims
 
 
@@ -235,7 +247,7 @@ async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str)
     """Bring up a fresh stack for ``name``, play the workload, tear it down."""
     t0 = time.monotonic()
     mode = HINTED.get(name, "none")
-    async with _engines(spec) as sims, _front(name, sims, spec) as url:
+    async with _engines(spec, name) as sims, _front(name, sims, spec) as url:
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
         result = await run_workload(workload, target, options, label=name)

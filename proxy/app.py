@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -13,6 +14,7 @@ from redis.asyncio import Redis
 from adapters.base import CacheConfig
 from adapters.lmcache import LMCacheAdapter, LMCacheConfig
 from adapters.vllm import EventEndpoints, VLLMAdapter
+from policy.admission import admission_priority
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
 from proxy.completions import CompletionWriter
@@ -45,6 +47,11 @@ def open_redis(url: str) -> Redis:
     )
 
 
+def _touch_priority() -> int:
+    """Touches and warm-ups: due now (their prefixes are resident, a late touch is wasted)."""
+    return admission_priority(time.time(), 0.0, 0.0)
+
+
 def build_retention(
     settings: Settings, store: SessionStore, pool: EnginePool, metrics: Metrics
 ) -> Retention:
@@ -61,6 +68,7 @@ def build_retention(
             pool.client,
             cache=cache,
             events=EventEndpoints(endpoint=spec.events) if spec.events else None,
+            touch_priority=_touch_priority if settings.retention.admission_priority else None,
         )
         tier = None
         if spec.lmcache is not None:

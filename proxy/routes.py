@@ -13,6 +13,8 @@ import time
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
+from adapters.vllm import PRIORITY_HEADER
+from policy.admission import admission_priority
 from policy.prefix_index import hash_chain
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
@@ -28,6 +30,7 @@ PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v
 HINT_HEADER = "X-KVKeeper-Hint"
 _BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in one write
 _STREAMED = re.compile(rb'"stream"\s*:\s*true')  # the dispatch gate holds streamed requests only
+_PRIORITY_FIELD = re.compile(rb'"priority"\s*:')  # a client's own vLLM priority (body not parsed)
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
@@ -47,8 +50,20 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         registering = asyncio.create_task(rt.register(tenant, hint))
     session = (tenant, hint.session_id) if hint is not None else None
     try:
+        own_priority = PRIORITY_HEADER in request.headers or (
+            "priority" in parsed.json_body
+            if parsed.json_body is not None
+            else _PRIORITY_FIELD.search(raw) is not None
+        )
         resp, engine, usage, reg = await _forward(
-            rt, request, parsed.body, raw, registering, session, bool(hint and hint.edits)
+            rt,
+            request,
+            parsed.body,
+            raw,
+            registering,
+            session,
+            edits=bool(hint and hint.edits),
+            prioritize=rt.settings.retention.admission_priority and not own_priority,
         )
     finally:
         if registering is not None and not registering.done():
@@ -65,7 +80,9 @@ async def _forward(
     raw: bytes,
     registering: asyncio.Task[Registration] | None,
     session: tuple[str, str] | None,
+    *,
     edits: bool,
+    prioritize: bool,
 ) -> tuple[web.StreamResponse, Engine, Usage | None, Registration | None]:
     """Send the request (``body``, hints stripped) to the chosen engine (failing over) and
     relay its answer. Placement hashes the client's ``raw`` body: stripping a hint re-serializes
@@ -73,7 +90,8 @@ async def _forward(
 
     A hinted request waits for its registration before choosing an engine only when the choice
     depends on the session (several engines, a prompt too short to place by its prefix); either
-    way the outcome header needs it before the answer's headers go out.
+    way the outcome header needs it before the answer's headers go out. ``prioritize``: set the
+    engine's admission priority from the tokens it would compute (policy/admission.py).
     """
     route = request.path
     request_id = request.headers.get("X-Request-Id") or os.urandom(16).hex()
@@ -91,9 +109,13 @@ async def _forward(
             reg = await registering
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
     gate, ticket = rt.dispatch, None
-    if gate is not None and order:
+    if order and (gate is not None or prioritize):
         cost = rt.uncached_estimate(order[0].name, len(body), session)
-        ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
+        if gate is not None:
+            ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
+        if prioritize:  # stamped when it leaves, after any wait at the gate
+            slack = rt.settings.retention.priority_slack_ms_per_ktok
+            headers[PRIORITY_HEADER] = str(admission_priority(time.time(), cost, slack))
     prefill = None
     if chain and order:  # recorded now: requests placed while this one waits must see them
         prefill = _Prefill(rt, order[0].name, len(body), chain)

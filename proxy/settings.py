@@ -114,6 +114,11 @@ class RetentionSettings(BaseModel):
     # dispatched and not yet started, the rest served fewest-uncached-tokens first (0 = off)
     dispatch_ahead: int = Field(default=0, ge=0)
     dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
+    # cache-aware admission (policy/admission.py): the engines run `--scheduling-policy
+    # priority` and kvkeeper sets X-Vllm-Priority on what it sends them: the send time plus this
+    # many ms per 1,000 tokens the engine would compute (0: first come, first served)
+    admission_priority: bool = False
+    priority_slack_ms_per_ktok: float = Field(default=100.0, ge=0)
     # what touches and warm-ups may make an engine recompute, as a share of the prompt tokens it
     # served to clients (policy/overhead.py: a token bucket; None = unbounded)
     max_overhead_share: float | None = Field(default=0.01, gt=0, le=1)

@@ -89,9 +89,12 @@ async def sim_stack(
     speed: float = 20.0,
     cpu_blocks: int = 0,
     events: bool = True,
+    sim: dict[str, Any] | None = None,
     **retention: Any,
 ) -> AsyncIterator[SimStack]:
-    cfg = SimConfig(num_blocks=num_blocks, speed=speed, cpu_blocks=cpu_blocks, reply_tokens=1)
+    cfg = SimConfig(
+        num_blocks=num_blocks, speed=speed, cpu_blocks=cpu_blocks, reply_tokens=1, **(sim or {})
+    )
     async with AsyncExitStack() as stack:
         sim = await stack.enter_async_context(run_simulator(cfg))
         engine: dict[str, Any] = {"url": sim.url}

@@ -59,6 +59,8 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
         ((), 2, "/x", [("none", None), ("session", None), ("full", None), ("full+dispatch", None),
                        ("round-robin", None), ("vllm-router", None)]),
         (("full", "full+unbounded"), 1, None, [("full", None), ("full+unbounded", None)]),
+        (("none+priority", "full+priority"), 2, None,
+         [("none+priority", None), ("full+priority", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),
           ("vllm-router", "vllm-router is not installed")]),

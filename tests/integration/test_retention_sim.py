@@ -353,6 +353,49 @@ async def test_dispatch_gate_serves_resident_prefixes_first(
         assert done.index("warm") < min(done.index("cold1"), done.index("cold2")), done
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
+    redis_server: RedisServer, namespace: str, policy: str
+) -> None:
+    """The engine runs one sequence at a time; kvkeeper holds nothing back. Under the priority
+    policy the warm session, sent last, runs right after the request that holds the engine;
+    first come, first served (the engine ignores priorities) it runs last."""
+    sim = {"scheduling_policy": policy, "max_num_seqs": 1}
+    async with sim_stack(
+        redis_server.url,
+        namespace,
+        num_blocks=400,
+        speed=5,
+        sim=sim,
+        admission_priority=True,
+        priority_slack_ms_per_ktok=10_000,
+    ) as st:
+        warm = {"session_id": "warm", "cache_control": {"type": "ephemeral", "ttl": 300}}
+        await st.complete(prompt(1), warm)
+        await _known_blocks(st, "warm")
+        done: list[str] = []
+
+        async def stream(name: str, tokens: list[int], hint: dict[str, object]) -> None:
+            body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "stream": True}
+            resp = await st.proxy.post("/v1/completions", json={**body, "agent_hint": hint})
+            assert resp.status == 200
+            await resp.read()
+            done.append(name)
+
+        first = asyncio.create_task(stream("cold0", prompt(50), {"session_id": "c0"}))
+        await asyncio.sleep(0.05)
+        rest = [
+            asyncio.create_task(stream(f"cold{i}", prompt(50 + i), {"session_id": f"c{i}"}))
+            for i in (1, 2)
+        ]
+        await asyncio.sleep(0.05)
+        rest.append(asyncio.create_task(stream("warm", prompt(1) + [5] * 40, warm)))
+        await asyncio.gather(first, *rest)
+        assert st.runtime().dispatch is None
+        expected = ["cold0", "warm", "cold1", "cold2"]
+        assert done == (expected if policy == "priority" else ["cold0", "cold1", "cold2", "warm"])
+
+
 async def test_prefetch_without_a_tier_warms_only_what_fits(
     redis_server: RedisServer, namespace: str
 ) -> None:

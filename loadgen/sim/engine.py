@@ -324,7 +324,7 @@ class SimEngine:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             seq = req.seq
-            hits = self.kv.get_computed_blocks(seq, preempted=req.num_preemptions > 0)
+            hits = self.kv.get_computed_blocks(seq)
             local = len(hits) * self.config.block_size
             external = self._external_hit(req, local)
             n = min(self._cap(seq.num_tokens - local - external), budget)
@@ -333,6 +333,7 @@ class SimEngine:
             ):
                 break
             self.waiting.pop()
+            self.kv.record_lookup(seq, hits, preempted=req.num_preemptions > 0)
             self.running.append(req)
             seq.num_computed_tokens = local + external
             if req.num_cached_tokens < 0:

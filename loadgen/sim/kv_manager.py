@@ -91,10 +91,14 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
-    def get_computed_blocks(self, seq: Sequence, *, preempted: bool = False) -> list[Block]:
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """Longest cached prefix (whole blocks), capped at ``num_tokens - 1`` tokens."""
         self.hasher.update(seq)
-        hits = self.pool.find_longest_cache_hit(seq.block_hashes, seq.num_tokens - 1)
+        return self.pool.find_longest_cache_hit(seq.block_hashes, seq.num_tokens - 1)
+
+    def record_lookup(self, seq: Sequence, hits: list[Block], *, preempted: bool = False) -> None:
+        """Count an admitted request's lookup. vLLM 0.32 records at admission, so a request
+        that waits at the head of the queue for many steps counts once."""
         hit_tokens = len(hits) * self.block_size
         if preempted:
             self.stats.preempted_queries += seq.num_tokens
@@ -102,7 +106,6 @@ class KVCacheManager:
         else:
             self.stats.queries += seq.num_tokens
             self.stats.hits += hit_tokens
-        return hits
 
     def allocate_slots(
         self,

@@ -43,6 +43,7 @@ def admit(kv: KVCacheManager, name: str, tokens: list[int], salt: str | None = N
     hits = kv.get_computed_blocks(seq)
     cached = len(hits) * BS
     assert kv.allocate_slots(seq, len(tokens) - cached, cached, hits)
+    kv.record_lookup(seq, hits)
     seq.num_computed_tokens = len(tokens)
     SEQS[name] = seq
     return cached

@@ -285,3 +285,16 @@ def test_priority_comes_from_the_body_or_vllms_header() -> None:
     for bad in ("1", 1.5, True):
         with pytest.raises(web.HTTPBadRequest):
             GenParams.parse({"priority": bad})
+
+
+async def test_a_request_waiting_for_room_is_counted_once_in_the_prefix_cache_queries(
+    make_engine: Factory,
+) -> None:
+    # 4 usable blocks of 4 tokens: ``big`` holds 3 while it decodes for many steps, ``waiter``
+    # needs 2, so it sits at the head of the queue until ``big`` finishes
+    stepping = Profile("stepping", 0.0, 0.0, 0.0, 0.0, 0.0, 0.002, 1)
+    engine, _ = make_engine(stepping, num_blocks=5, block_size=4)
+    big = engine.add_request(list(range(10, 20)), max_tokens=3, ignore_eos=True, reply=REPLY)
+    waiter = engine.add_request(list(range(30, 36)), max_tokens=1, reply=REPLY)
+    await asyncio.gather(drain(big), drain(waiter))
+    assert engine.kv.stats.queries == 10 + 6

@@ -19,9 +19,18 @@ from __future__ import annotations
 PRIORITY_EPOCH_S = 1_767_225_600  # 2026-01-01T00:00:00Z: keeps the integers short
 
 
-def admission_priority(now_s: float, uncached_tokens: float, slack_ms_per_ktok: float) -> int:
+def admission_priority(
+    now_s: float,
+    uncached_tokens: float,
+    slack_ms_per_ktok: float,
+    *,
+    resident_tokens: float = 0.0,
+    credit_ms_per_ktok: float = 0.0,
+) -> int:
     """The virtual deadline (ms since :data:`PRIORITY_EPOCH_S`) of a request sent at ``now_s``
     (Unix seconds, so that several kvkeeper replicas in front of one engine agree) that needs
-    ``uncached_tokens`` computed."""
+    ``uncached_tokens`` computed and, with a ``credit_ms_per_ktok``, finds ``resident_tokens``
+    of its prefix resident: those are what waiting would lose."""
     slack_ms = slack_ms_per_ktok * max(0.0, uncached_tokens) / 1000.0
+    slack_ms -= credit_ms_per_ktok * max(0.0, resident_tokens) / 1000.0
     return int((now_s - PRIORITY_EPOCH_S) * 1000.0 + slack_ms)

@@ -110,12 +110,20 @@ async def _forward(
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
     gate, ticket = rt.dispatch, None
     if order and (gate is not None or prioritize):
-        cost = rt.uncached_estimate(order[0].name, len(body), session)
+        cost, resident = rt.uncached_estimate(order[0].name, len(body), session)
         if gate is not None:
             ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
         if prioritize:  # stamped when it leaves, after any wait at the gate
-            slack = rt.settings.retention.priority_slack_ms_per_ktok
-            headers[PRIORITY_HEADER] = str(admission_priority(time.time(), cost, slack))
+            r = rt.settings.retention
+            headers[PRIORITY_HEADER] = str(
+                admission_priority(
+                    time.time(),
+                    cost,
+                    r.priority_slack_ms_per_ktok,
+                    resident_tokens=resident,
+                    credit_ms_per_ktok=r.priority_resident_credit_ms_per_ktok,
+                )
+            )
     prefill = None
     if chain and order:  # recorded now: requests placed while this one waits must see them
         prefill = _Prefill(rt, order[0].name, len(body), chain)

@@ -99,18 +99,19 @@ class Runtime:
 
     def uncached_estimate(
         self, engine: str, body_bytes: int, session: tuple[str, str] | None
-    ) -> float:
-        """Tokens ``engine`` would compute for this request: its size minus the session's
-        resident prefix (dispatch order; an estimate, never used for accounting)."""
+    ) -> tuple[float, float]:
+        """(tokens ``engine`` would compute for this request, tokens of it resident there): its
+        size minus the session's resident prefix (dispatch and admission order; an estimate,
+        never used for accounting)."""
         total = body_bytes / max(self.bytes_per_token, 0.5)
         if session is None or self.retention is None:
-            return total
+            return total, 0.0
         es = self.retention.engines.get(engine)
         blocks = self.retention.known_blocks(*session)
         if es is None or not blocks:
-            return total
-        resident = es.index.resident_prefix(blocks) * es.adapter.cache.block_size
-        return max(0.0, total - resident)
+            return total, 0.0
+        resident = min(total, es.index.resident_prefix(blocks) * es.adapter.cache.block_size)
+        return total - resident, resident
 
     async def settle(self) -> None:
         """Write finished requests still buffered, so the next read sees them."""

@@ -119,6 +119,9 @@ class RetentionSettings(BaseModel):
     # many ms per 1,000 tokens the engine would compute (0: first come, first served)
     admission_priority: bool = False
     priority_slack_ms_per_ktok: float = Field(default=100.0, ge=0)
+    # ... less this many ms per 1,000 tokens of its prefix resident there (admitted sooner,
+    # before the allocations of those ahead of it evict them)
+    priority_resident_credit_ms_per_ktok: float = Field(default=0.0, ge=0)
     # what touches and warm-ups may make an engine recompute, as a share of the prompt tokens it
     # served to clients (policy/overhead.py: a token bucket; None = unbounded)
     max_overhead_share: float | None = Field(default=0.01, gt=0, le=1)

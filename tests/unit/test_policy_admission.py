@@ -16,3 +16,13 @@ def test_a_resident_request_passes_a_cold_one_sent_shortly_before_but_not_long_b
     assert admission_priority(t + 0.5, 500, 10.0) < cold
     assert admission_priority(t + 0.7, 500, 10.0) > cold  # sent too late to pass it
     assert admission_priority(t + 5.0, 0, 10.0) > admission_priority(t, 60_000, 0.0)
+
+
+def test_a_resident_credit_moves_a_partly_resident_request_ahead_of_a_cold_one() -> None:
+    t = PRIORITY_EPOCH_S + 10.0
+    cold = admission_priority(t, 60_000, 10.0, resident_tokens=0, credit_ms_per_ktok=10.0)
+    partly = admission_priority(t, 50_000, 10.0, resident_tokens=40_000, credit_ms_per_ktok=10.0)
+    assert partly == admission_priority(t, 10_000, 10.0) < cold
+    assert admission_priority(t, 50_000, 10.0, resident_tokens=40_000) == admission_priority(
+        t, 50_000, 10.0
+    )  # no credit asked: the resident part does not count

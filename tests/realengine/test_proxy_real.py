@@ -227,3 +227,26 @@ async def test_anthropic_messages_usage_semantics_and_session_counters(proxy: Cl
     )
     session = await session_json(proxy, "msgs-1")
     assert session["ttl_s"] == 300  # the breakpoint's default "5m"
+
+
+async def test_admission_priority_header_is_accepted_by_a_first_come_first_served_vllm(
+    vllm_engine: VLLMEngine, redis_server: RedisServer, namespace: str
+) -> None:
+    """With ``admission_priority`` kvkeeper stamps X-Vllm-Priority on what it forwards. The
+    suite's vLLM runs the default first-come-first-served policy, where 0.32 reads the header
+    and ignores the value: a misconfigured kvkeeper must cost nothing there."""
+    async with real_proxy(
+        vllm_engine, redis_server.url, namespace, admission_priority=True
+    ) as client:
+        body = {**chat_body("priority", 900), "max_tokens": 2}
+        body["agent_hint"] = {"session_id": "prio-1"}
+        usages = []
+        for _ in range(2):  # the second one's resident prefix lowers its priority value
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            usages.append((await resp.json())["usage"])
+        own = {**body, "priority": 0}  # a client's own priority is forwarded unchanged
+        resp = await client.post("/v1/chat/completions", json=own)
+        assert resp.status == 200, await resp.text()
+    hit = full_block_hit(usages[1]["prompt_tokens"])
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == hit

@@ -308,8 +308,17 @@ def _scripts(sessions: Sequence[SessionScript]) -> Iterator[SessionScript]:
                 yield from _scripts(step.children)
 
 
-def realized_replay(workload: Workload, result: RunResult) -> ceiling.Replay:
-    """The calls as the run really timed them (start, end), as a ceiling replay."""
+def realized_replay(
+    workload: Workload, result: RunResult, *, from_first_token: bool = False
+) -> ceiling.Replay:
+    """The calls as the run really timed them (start, end), as a ceiling replay.
+
+    ``from_first_token``: each call looks its prefix up and holds its blocks from its first
+    token instead of from when it was sent. The engine does that at admission, which is
+    earlier (the prefill runs in between), so this timeline shows what eviction order could
+    win once the wait in the engine's queue is taken as given: a waiting request holds no
+    blocks, and the ``realized`` ceilings, which pin them from the send time, count as won
+    what the wait loses."""
     by_id = {s.session_id: s for s in _scripts(workload.sessions)}
     chains = ceiling.BlockChains(workload.block_tokens)
     reqs = []
@@ -317,8 +326,11 @@ def realized_replay(workload: Workload, result: RunResult) -> ceiling.Replay:
         script = by_id[rec.session_id.split("-", 1)[1]]
         call = script.steps[rec.turn]
         assert isinstance(call, Call)
+        start = rec.t_start + (rec.ttft or 0.0) if from_first_token else rec.t_start
         reqs.append(
-            ceiling.Req(rec.t_start, rec.t_end, chains.keys(call.pieces()), call.prompt_tokens)
+            ceiling.Req(
+                min(start, rec.t_end), rec.t_end, chains.keys(call.pieces()), call.prompt_tokens
+            )
         )
     return ceiling.Replay(reqs, workload.block_tokens)
 
@@ -430,6 +442,7 @@ def aggregate_rounds(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> 
                 }
         targets[name] = figures
     realized = [r["ceilings"]["realized"] for r in rounds if r["ceilings"]["realized"]]
+    admitted = [r["ceilings"]["admitted"] for r in rounds if r["ceilings"].get("admitted")]
     return {
         "workload": first["workload"],
         "params": first["params"],
@@ -439,6 +452,7 @@ def aggregate_rounds(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> 
         "ceilings": {
             "planned": first["ceilings"]["planned"],
             "realized": realized,
+            "admitted": admitted,
         },
         "targets": targets,
     }
@@ -448,17 +462,19 @@ def compare_document(
     workload: Workload, spec: CompareSpec, planned: dict[str, Any], runs: list[TargetRun]
 ) -> dict[str, Any]:
     done = [r for r in runs if r.result is not None]
-    realized = None
+    realized = admitted = None
     if done:
         first = done[0]
         assert first.result is not None
         replay = realized_replay(workload, first.result)
         realized = {"from": first.name, **replay_rates(replay, planned["C"])}
+        replay = realized_replay(workload, first.result, from_first_token=True)
+        admitted = {"from": first.name, **replay_rates(replay, planned["C"])}
     doc: dict[str, Any] = {
         "workload": workload.name,
         "params": dict(workload.params),
         "setup": _setup(spec),
-        "ceilings": {"planned": planned, "realized": realized},
+        "ceilings": {"planned": planned, "realized": realized, "admitted": admitted},
         "targets": {},
     }
     base = _baseline(runs)
@@ -530,7 +546,7 @@ def _sec(v: float | None) -> str:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     c = doc["ceilings"]
-    planned, realized = c["planned"], c["realized"]
+    planned, realized, admitted = c["planned"], c["realized"], c.get("admitted")
     lines = [
         f"### {doc['workload']}: {len(doc['targets'])} targets, pool {planned['C']} blocks "
         f"(peak working set {planned['peak_ws']}"
@@ -571,6 +587,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for label, row in (
         ("planned timeline", planned),
         (f"realized ({realized['from']})" if realized else "", realized),
+        (f"realized, held from the first token ({admitted['from']})" if admitted else "", admitted),
     ):
         if row:
             lines.append(
@@ -579,7 +596,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [
         "",
         "Gap closed: (hit - baseline hit) / (realized Belady - baseline hit); baseline = "
-        "`engine` (vanilla LRU), else `round-robin`. Retention prompt share: of all prompt "
+        "`engine` (vanilla LRU), else `round-robin`. Held from the first token: each call "
+        "holds its blocks from its first token, not from when it was sent (a request waiting "
+        "in the engine's queue holds none). Retention prompt share: of all prompt "
         "tokens sent (workload + touches + warm-ups); retention recomputed share: of the "
         "workload's own prompt tokens.",
         "",
@@ -640,6 +659,11 @@ def render_aggregate(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {name} ({row['from']}) | {_pct(row['lru'])} | {_pct(row['belady'])} "
             f"| {_pct(row['inf'])} |"
+        )
+    for name, row in zip(doc["rounds"], doc["ceilings"].get("admitted", []), strict=False):
+        lines.append(
+            f"| {name} ({row['from']}), held from the first token | {_pct(row['lru'])} "
+            f"| {_pct(row['belady'])} | {_pct(row['inf'])} |"
         )
     lines.append(
         f"| planned timeline | {_pct(planned['lru'])} | {_pct(planned['belady'])} "

@@ -130,10 +130,15 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     assert realized["from"] == "engine"
     assert realized["lru"] <= realized["belady"] + 1e-9 <= realized["inf"] + 2e-9
     assert abs(realized["lru"] - targets["engine"]["hit_rate"]) < 0.08
+    # held from the first token, a call pins nothing while it waits: never more to win
+    admitted = doc["ceilings"]["admitted"]
+    assert admitted["from"] == "engine" and admitted["inf"] == pytest.approx(realized["inf"])
+    assert admitted["lru"] <= admitted["belady"] + 1e-9 <= admitted["inf"] + 2e-9
     table = (out / "compare.md").read_text()
     assert "| engine |" in table
     assert "| full |" in table
     assert "realized (engine)" in table
+    assert "realized, held from the first token (engine)" in table
 
 
 async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None:
@@ -145,6 +150,7 @@ async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None
     # the first target stays first (the realized ceilings are its timeline every round)
     assert [r["ceilings"]["realized"]["from"] for r in rounds] == ["engine", "engine"]
     assert doc["ceilings"]["realized"] == [r["ceilings"]["realized"] for r in rounds]
+    assert doc["ceilings"]["admitted"] == [r["ceilings"]["admitted"] for r in rounds]
     for name in ("engine", "none", "session"):
         hits = [r["targets"][name]["hit_rate"] for r in rounds]
         fig = doc["targets"][name]["hit_rate"]
@@ -193,6 +199,12 @@ async def test_realized_replay_matches_the_recorded_calls(tmp_path: Path) -> Non
     rates = replay_rates(replay, 2 * ceiling.peak_working_set(replay))
     assert rates["lru"] == pytest.approx(rates["inf"])
     assert rates["belady"] == pytest.approx(rates["inf"])
+    # held from the first token: the same calls, each starting ttft later (never after its end)
+    held = realized_replay(workload, result, from_first_token=True)
+    starts = sorted(r.t_start + (r.ttft or 0.0) for r in result.requests)
+    assert [r.arrival for r in held.reqs] == pytest.approx(starts)
+    assert all(r.arrival <= r.finish for r in held.reqs)
+    assert held.total_tokens == replay.total_tokens
     doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     # no eviction at all: the engine's hit rate is the infinite cache's, up to vLLM never
     # reusing a fully cached prompt's last block

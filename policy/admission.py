@@ -19,18 +19,21 @@ from __future__ import annotations
 PRIORITY_EPOCH_S = 1_767_225_600  # 2026-01-01T00:00:00Z: keeps the integers short
 
 
-def admission_priority(
-    now_s: float,
+def admission_slack_ms(
     uncached_tokens: float,
     slack_ms_per_ktok: float,
     *,
     resident_tokens: float = 0.0,
     credit_ms_per_ktok: float = 0.0,
-) -> int:
+) -> float:
+    """How long after its send time a request that needs ``uncached_tokens`` computed is due;
+    with a ``credit_ms_per_ktok``, ``resident_tokens`` of its prefix resident (what waiting
+    would lose) bring it forward, below zero if they outweigh the rest."""
+    slack = slack_ms_per_ktok * max(0.0, uncached_tokens) / 1000.0
+    return slack - credit_ms_per_ktok * max(0.0, resident_tokens) / 1000.0
+
+
+def admission_priority(now_s: float, slack_ms: float) -> int:
     """The virtual deadline (ms since :data:`PRIORITY_EPOCH_S`) of a request sent at ``now_s``
-    (Unix seconds, so that several kvkeeper replicas in front of one engine agree) that needs
-    ``uncached_tokens`` computed and, with a ``credit_ms_per_ktok``, finds ``resident_tokens``
-    of its prefix resident: those are what waiting would lose."""
-    slack_ms = slack_ms_per_ktok * max(0.0, uncached_tokens) / 1000.0
-    slack_ms -= credit_ms_per_ktok * max(0.0, resident_tokens) / 1000.0
+    (Unix seconds, so that several kvkeeper replicas in front of one engine agree)."""
     return int((now_s - PRIORITY_EPOCH_S) * 1000.0 + slack_ms)

@@ -49,7 +49,7 @@ def open_redis(url: str) -> Redis:
 
 def _touch_priority() -> int:
     """Touches and warm-ups: due now (their prefixes are resident, a late touch is wasted)."""
-    return admission_priority(time.time(), 0.0, 0.0)
+    return admission_priority(time.time(), 0.0)
 
 
 def build_retention(

@@ -57,6 +57,13 @@ class Metrics:
         self.cached_tokens = Counter(
             "kvkeeper_cached_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
+        self.admission_slack = Histogram(
+            "kvkeeper_admission_slack_seconds",
+            "Slack of the admission priority stamped on forwarded requests (X-Vllm-Priority "
+            "less the send time; retention.admission_priority)",
+            buckets=(-1.0, 0.0, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0),
+            registry=r,
+        )
         self.engine_requests = Counter(
             "kvkeeper_engine_requests", "Requests forwarded, by engine", ["engine"], registry=r
         )

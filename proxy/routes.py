@@ -14,7 +14,7 @@ from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
 from adapters.vllm import PRIORITY_HEADER
-from policy.admission import admission_priority
+from policy.admission import admission_priority, admission_slack_ms
 from policy.prefix_index import hash_chain
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
@@ -115,15 +115,14 @@ async def _forward(
             ticket = await gate.enter(order[0].name, cost, hold=_STREAMED.search(body) is not None)
         if prioritize:  # stamped when it leaves, after any wait at the gate
             r = rt.settings.retention
-            headers[PRIORITY_HEADER] = str(
-                admission_priority(
-                    time.time(),
-                    cost,
-                    r.priority_slack_ms_per_ktok,
-                    resident_tokens=resident,
-                    credit_ms_per_ktok=r.priority_resident_credit_ms_per_ktok,
-                )
+            slack_ms = admission_slack_ms(
+                cost,
+                r.priority_slack_ms_per_ktok,
+                resident_tokens=resident,
+                credit_ms_per_ktok=r.priority_resident_credit_ms_per_ktok,
             )
+            headers[PRIORITY_HEADER] = str(admission_priority(time.time(), slack_ms))
+            rt.metrics.admission_slack.observe(slack_ms / 1000.0)
     prefill = None
     if chain and order:  # recorded now: requests placed while this one waits must see them
         prefill = _Prefill(rt, order[0].name, len(body), chain)

@@ -392,6 +392,7 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
         rest.append(asyncio.create_task(stream("warm", prompt(1) + [5] * 40, warm)))
         await asyncio.gather(first, *rest)
         assert st.runtime().dispatch is None
+        assert await st.metric("kvkeeper_admission_slack_seconds_count") == 5  # every request
         expected = ["cold0", "warm", "cold1", "cold2"]
         assert done == (expected if policy == "priority" else ["cold0", "cold1", "cold2", "warm"])
 

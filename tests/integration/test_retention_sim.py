@@ -320,34 +320,40 @@ async def test_a_touch_stops_short_of_the_blocks_lru_takes_before_it_runs(
         assert es.trimmed_blocks == resident
 
 
+async def _warm_after_cold(st: SimStack) -> list[str]:
+    """A warm session (its context resident) sent after three cold ones: one takes the engine,
+    two queue, then the warm one arrives. The order the four finished in."""
+    warm = {"session_id": "warm", "cache_control": {"type": "ephemeral", "ttl": 300}}
+    await st.complete(prompt(1), warm)
+    await _known_blocks(st, "warm")
+    done: list[str] = []
+
+    async def stream(name: str, tokens: list[int], hint: dict[str, object]) -> None:
+        body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "stream": True}
+        resp = await st.proxy.post("/v1/completions", json={**body, "agent_hint": hint})
+        assert resp.status == 200
+        await resp.read()
+        done.append(name)
+
+    first = asyncio.create_task(stream("cold0", prompt(50), {"session_id": "c0"}))
+    await asyncio.sleep(0.05)
+    rest = [
+        asyncio.create_task(stream(f"cold{i}", prompt(50 + i), {"session_id": f"c{i}"}))
+        for i in (1, 2)
+    ]
+    await asyncio.sleep(0.05)
+    rest.append(asyncio.create_task(stream("warm", prompt(1) + [5] * 40, warm)))
+    await asyncio.gather(first, *rest)
+    return done
+
+
 async def test_dispatch_gate_serves_resident_prefixes_first(
     redis_server: RedisServer, namespace: str
 ) -> None:
     async with sim_stack(
         redis_server.url, namespace, num_blocks=400, speed=5, dispatch_ahead=1
     ) as st:
-        warm = {"session_id": "warm", "cache_control": {"type": "ephemeral", "ttl": 300}}
-        await st.complete(prompt(1), warm)
-        await _known_blocks(st, "warm")
-        done: list[str] = []
-
-        async def stream(name: str, tokens: list[int], hint: dict[str, object]) -> None:
-            body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "stream": True}
-            resp = await st.proxy.post("/v1/completions", json={**body, "agent_hint": hint})
-            assert resp.status == 200
-            await resp.read()
-            done.append(name)
-
-        # a cold session takes the engine, two more cold ones queue, then the warm one arrives
-        first = asyncio.create_task(stream("cold0", prompt(50), {"session_id": "c0"}))
-        await asyncio.sleep(0.05)
-        rest = [
-            asyncio.create_task(stream(f"cold{i}", prompt(50 + i), {"session_id": f"c{i}"}))
-            for i in (1, 2)
-        ]
-        await asyncio.sleep(0.05)
-        rest.append(asyncio.create_task(stream("warm", prompt(1) + [5] * 40, warm)))
-        await asyncio.gather(first, *rest)
+        done = await _warm_after_cold(st)
         gate = st.runtime().dispatch
         assert gate is not None and gate.held >= 2
         assert done.index("warm") < min(done.index("cold1"), done.index("cold2")), done
@@ -370,27 +376,7 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
         admission_priority=True,
         priority_slack_ms_per_ktok=10_000,
     ) as st:
-        warm = {"session_id": "warm", "cache_control": {"type": "ephemeral", "ttl": 300}}
-        await st.complete(prompt(1), warm)
-        await _known_blocks(st, "warm")
-        done: list[str] = []
-
-        async def stream(name: str, tokens: list[int], hint: dict[str, object]) -> None:
-            body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "stream": True}
-            resp = await st.proxy.post("/v1/completions", json={**body, "agent_hint": hint})
-            assert resp.status == 200
-            await resp.read()
-            done.append(name)
-
-        first = asyncio.create_task(stream("cold0", prompt(50), {"session_id": "c0"}))
-        await asyncio.sleep(0.05)
-        rest = [
-            asyncio.create_task(stream(f"cold{i}", prompt(50 + i), {"session_id": f"c{i}"}))
-            for i in (1, 2)
-        ]
-        await asyncio.sleep(0.05)
-        rest.append(asyncio.create_task(stream("warm", prompt(1) + [5] * 40, warm)))
-        await asyncio.gather(first, *rest)
+        done = await _warm_after_cold(st)
         assert st.runtime().dispatch is None
         assert await st.metric("kvkeeper_admission_slack_seconds_count") == 5  # every request
         expected = ["cold0", "warm", "cold1", "cold2"]

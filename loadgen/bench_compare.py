@@ -587,7 +587,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for label, row in (
         ("planned timeline", planned),
         (f"realized ({realized['from']})" if realized else "", realized),
-        (f"realized, held from the first token ({admitted['from']})" if admitted else "", admitted),
+        (
+            f"realized, held from the first token ({admitted['from']})" if admitted else "",
+            admitted,
+        ),
     ):
         if row:
             lines.append(

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from adapters.vllm import PRIORITY_HEADER  # vLLM 0.32: overrides the body's ``priority``
 from loadgen.sim.engine import EngineRejected, Finished, SimEngine, SimRequest
 from loadgen.sim.tokenizer import SimTokenizer
 
@@ -23,7 +24,6 @@ ENGINE = web.AppKey("engine", SimEngine)
 TOKENIZER = web.AppKey("tokenizer", SimTokenizer)
 MODEL = web.AppKey("model", str)
 REPLY = web.AppKey("reply", list[int])
-PRIORITY_HEADER = "X-Vllm-Priority"  # vLLM 0.32: overrides the body's ``priority``
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

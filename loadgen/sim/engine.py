@@ -9,8 +9,9 @@ Each step (``vllm/v1/core/sched/scheduler.py``):
    victim is the running request with the largest (priority, arrival) instead;
 2. if nobody was preempted, waiting requests join in queue order (arrival, or (priority,
    arrival) under the priority policy) while budget and ``max_num_seqs`` allow, the first that
-   does not fit stopping the rest: a prefix-cache lookup (plus the CPU tier, when present) decides how many tokens are already
-   computed, and a long prompt gets only the budget left (chunked prefill);
+   does not fit stopping the rest: a prefix-cache lookup (plus the CPU tier, when present)
+   decides how many tokens are already computed, and a long prompt gets only the budget left
+   (chunked prefill);
 3. the step "runs" for the time the profile gives, then every request whose scheduled tokens
    reach the end of its sequence samples one token; finished requests free their blocks.
 

@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from adapters.block_hash import BlockHasher
-from loadgen.sim.api import PRIORITY_HEADER, GenParams
+from adapters.vllm import PRIORITY_HEADER
+from loadgen.sim.api import GenParams
 from loadgen.sim.block_pool import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
 from loadgen.sim.cpu_tier import CpuTier
 from loadgen.sim.engine import EngineConfig, EngineRejected, Finished, SimEngine, SimRequest

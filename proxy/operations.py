@@ -166,14 +166,17 @@ class SessionOps:
             {"stored_tokens": stored, "pinned_chunks": pinned, "touched": touched},
         )
 
+    async def _prefix_blocks(self, session: Session, edit: Edit) -> tuple[int, ...]:
+        """The block ids of the session's prefix the edit covers (up to ``edit.block_end``)."""
+        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
+        return blocks[: edit.block_end] if edit.block_end is not None else blocks
+
     async def _lost_blocks(self, es: EngineState, session: Session, edit: Edit) -> int:
         """Blocks of the session's prefix (up to ``edit.block_end``) the engine no longer holds
         (0 without KV events: unknown)."""
         if es.subscriber is None:
             return 0
-        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
-        if edit.block_end is not None:
-            blocks = blocks[: edit.block_end]
+        blocks = await self._prefix_blocks(session, edit)
         return len(blocks) - es.index.resident_prefix(blocks) if blocks else 0
 
     async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
@@ -253,9 +256,7 @@ class SessionOps:
         (see :meth:`_warmup_cost`)."""
         if es.subscriber is None or es.load is None:
             return None
-        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
-        if edit.block_end is not None:
-            blocks = blocks[: edit.block_end]
+        blocks = await self._prefix_blocks(session, edit)
         if not blocks:
             return None
         in_tier = (tier_tokens or 0) // es.adapter.cache.block_size

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import time
+from typing import Any
 
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
@@ -50,11 +51,6 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         registering = asyncio.create_task(rt.register(tenant, hint))
     session = (tenant, hint.session_id) if hint is not None else None
     try:
-        own_priority = PRIORITY_HEADER in request.headers or (
-            "priority" in parsed.json_body
-            if parsed.json_body is not None
-            else _PRIORITY_FIELD.search(raw) is not None
-        )
         resp, engine, usage, reg = await _forward(
             rt,
             request,
@@ -63,7 +59,8 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             registering,
             session,
             edits=bool(hint and hint.edits),
-            prioritize=rt.settings.retention.admission_priority and not own_priority,
+            prioritize=rt.settings.retention.admission_priority
+            and not _client_priority(request, parsed.json_body, raw),
         )
     finally:
         if registering is not None and not registering.done():
@@ -71,6 +68,14 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
         _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage)
     return resp
+
+
+def _client_priority(request: web.Request, body: dict[str, Any] | None, raw: bytes) -> bool:
+    """Whether the client set its own vLLM priority (header, or body field: searched in the raw
+    bytes when the body was not parsed)."""
+    if PRIORITY_HEADER in request.headers:
+        return True
+    return "priority" in body if body is not None else _PRIORITY_FIELD.search(raw) is not None
 
 
 async def _forward(

@@ -13,6 +13,9 @@ Targets (``--targets``, default: every one that applies):
 * ``none+priority`` / ``full+priority`` (only when named): ``none`` / ``full`` with kvkeeper's
   cache-aware admission order (``admission_priority``, :mod:`policy.admission`) on engines run
   with ``--scheduling-policy priority`` (whatever ``--scheduling-policy`` the others get);
+* ``engine-notier`` / ``full-nopins`` (only when named, for runs with ``--cpu-blocks``):
+  ``engine`` on simulators without the CPU tier (what the tier itself adds), and ``full`` with
+  no tier pins (``tier_pin_share`` 0, :mod:`proxy.tiers`: protected sessions kept by touches);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -82,6 +85,7 @@ HINTED: dict[str, HintMode] = {
     "full+unbounded": "full",
     "none+priority": "none",
     "full+priority": "full",
+    "full-nopins": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
 TARGET_RETENTION: dict[str, dict[str, Any]] = {
@@ -89,13 +93,16 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "full+unbounded": {"max_overhead_share": None},
     "none+priority": {"admission_priority": True},
     "full+priority": {"admission_priority": True},
+    "full-nopins": {"tier_pin_share": 0.0},
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
-ON_REQUEST = frozenset({"full+unbounded"}) | PRIORITY_TARGETS
+ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full-nopins"}) | PRIORITY_TARGETS
+PLAIN = frozenset({"engine", "engine-notier"})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
     "engine",
+    "engine-notier",
     "none",
     "session",
     "full",
@@ -103,6 +110,7 @@ TARGETS = (
     "full+unbounded",
     "none+priority",
     "full+priority",
+    "full-nopins",
     "round-robin",
     "vllm-router",
 )
@@ -162,7 +170,7 @@ def plan_targets(
         if name not in TARGETS:
             raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
         reason = None
-        if name == "engine" and replicas > 1:
+        if name in PLAIN and replicas > 1:
             reason = "several replicas: a plain client cannot spread over them"
         elif name in ROUTER_POLICIES and router is None:
             reason = "vllm-router is not installed"
@@ -184,6 +192,8 @@ async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoi
         ]
         return
     sim = replace(spec.sim, scheduling_policy="priority") if name in PRIORITY_TARGETS else spec.sim
+    if name == "engine-notier":
+        sim = replace(sim, cpu_blocks=0)
     async with start_sims(sim, spec.replicas) as sims:
         yield sims
 
@@ -192,7 +202,7 @@ async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoi
 async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> AsyncIterator[str]:
     """The URL the client talks to for target ``name``, with whatever runs in front."""
     logs = spec.out / "logs"
-    if name == "engine":
+    if name in PLAIN:
         yield sims[0].url
     elif name in ROUTER_POLICIES:
         assert spec.router is not None

@@ -62,6 +62,7 @@ from policy.routing import (
     route,
     score_engine,
 )
+from policy.tier_pins import PinCandidate, pin_budget, plan_pins
 from policy.tree import (
     TreeNode,
     children_index,
@@ -94,6 +95,7 @@ __all__ = [
     "KeepalivePlan",
     "OverheadBudget",
     "OverheadConfig",
+    "PinCandidate",
     "ProtectedSession",
     "Retention",
     "RetentionDecision",
@@ -114,7 +116,9 @@ __all__ = [
     "load_pressure",
     "load_score",
     "option_costs",
+    "pin_budget",
     "plan_budget",
+    "plan_pins",
     "plan_touches",
     "plan_warmups",
     "post_order",

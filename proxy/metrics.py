@@ -128,6 +128,18 @@ class Metrics:
             registry=r,
         )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
+        self.tier_pinned_sessions = Gauge(
+            "kvkeeper_tier_pinned_sessions",
+            "Protected sessions pinned in the engine's offload tier",
+            ["engine"],
+            registry=r,
+        )
+        self.tier_pinned_chunks = Gauge(
+            "kvkeeper_tier_pinned_chunks",
+            "Chunks pinned in the engine's offload tier (shared chunks counted per session)",
+            ["engine"],
+            registry=r,
+        )
         self.prefetches = Counter("kvkeeper_prefetches", "Prefetch warm-ups run", registry=r)
         self.evictions = Counter("kvkeeper_evictions", "Sessions evicted by edits", registry=r)
         self.expiries = Counter("kvkeeper_expiries", "Session TTLs that expired", registry=r)

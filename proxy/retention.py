@@ -65,6 +65,7 @@ from proxy.context import RecordedContext, decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
 from proxy.store import Session, SessionStore, StoreDown, Upserted, Usage
+from proxy.tiers import TierKeeper
 from proxy.upstream import Engine
 from proxy.usage import normalize
 
@@ -226,6 +227,7 @@ class Retention:
             if settings.anchors
             else None
         )
+        self.tiers = TierKeeper(store, settings, metrics)
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -245,6 +247,9 @@ class Retention:
         if tasks:
             await asyncio.wait(tasks, timeout=5)
         for es in self.engines.values():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self.tiers.release(es)
             if es.subscriber is not None:
                 await es.subscriber.aclose()
             with contextlib.suppress(StoreDown):
@@ -435,8 +440,6 @@ class Retention:
         sessions = [
             s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
         ]
-        if not sessions:
-            return
         blocks: dict[tuple[str, str], tuple[int, ...]] = {}
         for i, s in enumerate(sessions):
             if i % 128 == 127:
@@ -444,6 +447,12 @@ class Retention:
             blocks[(s.tenant, s.session_id)] = await self.blocks_of(
                 s.tenant, s.session_id, s, active_s=self.settings.relearn_idle_s
             )
+        # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
+        # the pins of sessions no longer protected are released, so this runs with none too)
+        held = await self.tiers.tick(es, sessions, blocks, now)
+        sessions = [s for s in sessions if (s.tenant, s.session_id) not in held]
+        if not sessions:
+            return
         kept = self._budget(es, sessions, blocks, now)
         plan = plan_touches(
             [
@@ -803,6 +812,7 @@ class Retention:
             "pool_blocks": es.load.pool_blocks if es.load else None,
             "resident_blocks": {m: es.index.size(m) for m in es.index.media()},
             "offload_tier": es.tier is not None,
+            "tier_pinned": self.tiers.pinned(name) if es.tier is not None else None,
             "touches_in_flight": len(es.in_flight),
             "touch_latency_s": round(es.touch_latency_s, 4),
             "touch_trimmed_blocks": es.trimmed_blocks,

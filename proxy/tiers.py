@@ -1,0 +1,225 @@
+"""Protected sessions held in the engine's offload tier instead of by GPU touches.
+
+An LMCache tier behind the engine is written through (every prefill is stored) and evicts by
+LRU, so one no larger than the GPU pool holds about what the pool holds: both see the same
+accesses in the same order. What kvkeeper knows and the tier does not is which contexts will be
+back. On every retention tick of an engine with a tier, the keeper pins the recorded contexts of
+the sessions retention protects, chosen by :func:`policy.tier_pins.plan_pins` within
+``retention.tier_pin_share`` of the tier's capacity; the rest of the tier stays LRU. A session
+whose whole prefix (its complete chunks) is stored and pinned is *held by the tier*: its resume
+loads the prefix over PCIe (about a tenth of a re-prefill's cost) instead of recomputing it, so
+retention sends it no keep-alive touches, which leaves the GPU pool to the live traffic.
+
+LMCache counts pins per chunk key, so each session version is pinned once: a session that
+records a new context is pinned again, then its old version unpinned (the chunks they share never
+drop to zero). A session no longer protected, or no longer within the share, is unpinned. Pins
+outlive a crashed kvkeeper (LMCache has no pin TTL); :meth:`TierKeeper.release` on a clean stop
+undoes them. A tier that does not answer leaves sessions to the touches, as without a tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from adapters.base import AdapterError
+from adapters.lmcache import LMCacheAdapter
+from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
+from policy import PinCandidate, plan_pins
+from proxy.context import decode_context
+from proxy.metrics import Metrics
+from proxy.settings import RetentionSettings
+from proxy.store import Session, SessionStore, StoreDown
+
+if TYPE_CHECKING:
+    from proxy.retention import EngineState
+
+log = logging.getLogger("kvkeeper.tiers")
+
+SessionKey = tuple[str, str]
+_TIER_ERRORS = (AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
+
+
+@dataclass(slots=True)
+class _Pin:
+    """One session version pinned in the tier: what to unpin later."""
+
+    version: float  # the session's last_used when its context was pinned
+    tokens: list[int]
+    salt: str | None
+    chunks: int  # complete chunks of ``tokens``
+    stored: int  # leading tokens the tier held right after pinning
+
+
+@dataclass(slots=True)
+class _TierState:
+    pins: dict[SessionKey, _Pin] = field(default_factory=dict)
+    capacity_chunks: int | None = None
+    capacity_at: float = -math.inf
+
+
+class TierKeeper:
+    """Pins protected sessions in each engine's offload tier (module docstring)."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        settings: RetentionSettings,
+        metrics: Metrics,
+        *,
+        max_pins_per_tick: int = 8,
+        capacity_refresh_s: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.max_pins_per_tick = max_pins_per_tick
+        self.capacity_refresh_s = capacity_refresh_s
+        self._state: dict[str, _TierState] = {}
+
+    async def tick(
+        self,
+        es: EngineState,
+        sessions: Sequence[Session],
+        blocks: dict[SessionKey, tuple[int, ...]],
+        now: float,
+    ) -> set[SessionKey]:
+        """Pin what fits, unpin what left; the sessions the tier now holds (no touches)."""
+        tier = es.tier
+        if tier is None or self.settings.tier_pin_share <= 0:
+            return set()
+        st = self._state.setdefault(es.engine.name, _TierState())
+        by_key = {(s.tenant, s.session_id): s for s in sessions}
+        capacity = await self._capacity(tier, st, now)
+        if capacity is not None:
+            chunk = tier.config.chunk_size
+            bs = es.adapter.cache.block_size
+            names = {f"{t}\x1f{sid}": (t, sid) for t, sid in by_key}
+            wanted = plan_pins(
+                [
+                    PinCandidate(
+                        name,
+                        len(blocks.get(sk, ())) * bs // chunk,
+                        by_key[sk].ttl_left(now),
+                        pinned=sk in st.pins,
+                    )
+                    for name, sk in names.items()
+                ],
+                capacity,
+                self.settings.tier_pin_share,
+            )
+            want = [names[n] for n in wanted]
+            keep = set(want)
+            for sk in [sk for sk in st.pins if sk not in keep]:
+                await self._unpin(tier, st.pins.pop(sk))
+            await self._pin_wanted(es, tier, st, [by_key[sk] for sk in want])
+        self._report(es, st)
+        return {
+            sk
+            for sk, pin in st.pins.items()
+            if sk in by_key
+            and pin.version == by_key[sk].last_used
+            and pin.chunks > 0
+            and pin.stored >= pin.chunks * tier.config.chunk_size
+        }
+
+    async def release(self, es: EngineState) -> None:
+        """Undo every pin this keeper holds on ``es``'s tier (a clean stop)."""
+        st = self._state.pop(es.engine.name, None)
+        if st is None or es.tier is None:
+            return
+        for pin in st.pins.values():
+            await self._unpin(es.tier, pin)
+        st.pins.clear()
+        self._report(es, st)
+
+    def pinned(self, engine: str) -> dict[str, int]:
+        """``{"sessions": n, "chunks": m}`` pinned on ``engine``'s tier (views)."""
+        st = self._state.get(engine)
+        if st is None:
+            return {"sessions": 0, "chunks": 0}
+        return {"sessions": len(st.pins), "chunks": sum(p.chunks for p in st.pins.values())}
+
+    # --- internals ------------------------------------------------------------------------------
+    async def _pin_wanted(
+        self, es: EngineState, tier: LMCacheAdapter, st: _TierState, want: list[Session]
+    ) -> None:
+        """Pin the wanted sessions' current contexts (at most ``max_pins_per_tick``)."""
+        changes = 0
+        for session in want:
+            sk = (session.tenant, session.session_id)
+            old = st.pins.get(sk)
+            if old is not None and old.version == session.last_used:
+                continue
+            if changes >= self.max_pins_per_tick:
+                break
+            changes += 1
+            pin = await self._pin(es, tier, session)
+            if pin is None:
+                continue
+            st.pins[sk] = pin
+            if old is not None:  # after the new pin: the chunks both cover never drop to zero
+                await self._unpin(tier, old)
+            else:
+                self.metrics.offloads.inc()
+
+    async def _pin(self, es: EngineState, tier: LMCacheAdapter, session: Session) -> _Pin | None:
+        """Pin the session's recorded context; None when it has none the tier can key."""
+        if es.no_tokenize:
+            return None
+        try:
+            blob = await self.store.get_context(session.tenant, session.session_id)
+            if blob is None:
+                return None
+            ctx = decode_context(blob)
+            if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+                return None  # /v1/messages, /v1/responses: no tokenizer route to key them
+            tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
+            if ctx.block_offset is not None:
+                tokens = tokens[: ctx.block_offset * es.adapter.cache.block_size]
+            salt = ctx.body.get("cache_salt")
+            salt = salt if isinstance(salt, str) else None
+            await tier.pin(tokens, cache_salt=salt)
+        except StoreDown:
+            return None
+        except _TIER_ERRORS as exc:
+            log.warning("tier pin of %s failed: %s", session.session_id, exc)
+            return None
+        pin = _Pin(session.last_used, tokens, salt, len(tokens) // tier.config.chunk_size, 0)
+        try:
+            pin.stored = await tier.lookup(tokens, cache_salt=salt)
+        except _TIER_ERRORS as exc:  # pinned, but not known to be stored: touches go on
+            log.warning("tier lookup of %s failed: %s", session.session_id, exc)
+        return pin
+
+    @staticmethod
+    async def _unpin(tier: LMCacheAdapter, pin: _Pin) -> None:
+        try:
+            await tier.unpin(pin.tokens, cache_salt=pin.salt)
+        except _TIER_ERRORS as exc:  # the pin stays on the tier: logged, not retried
+            log.warning("tier unpin failed (%d chunks stay pinned): %s", pin.chunks, exc)
+
+    async def _capacity(self, tier: LMCacheAdapter, st: _TierState, now: float) -> int | None:
+        """The tier's capacity in chunks (its L1 total over the bytes of one stored object),
+        refreshed every ``capacity_refresh_s``; None until the tier has stored something."""
+        if st.capacity_chunks is not None and now - st.capacity_at < self.capacity_refresh_s:
+            return st.capacity_chunks
+        st.capacity_at = now
+        try:
+            status = await tier.l1_status()
+        except _TIER_ERRORS as exc:
+            log.warning("tier status failed: %s", exc)
+            return st.capacity_chunks
+        if status.objects > 0 and status.used_bytes > 0:
+            st.capacity_chunks = int(status.total_bytes * status.objects // status.used_bytes)
+        return st.capacity_chunks
+
+    def _report(self, es: EngineState, st: _TierState) -> None:
+        name = es.engine.name
+        self.metrics.tier_pinned_sessions.labels(name).set(len(st.pins))
+        self.metrics.tier_pinned_chunks.labels(name).set(sum(p.chunks for p in st.pins.values()))

@@ -1,20 +1,25 @@
-"""Protected sessions held in the engine's offload tier instead of by GPU touches.
+"""Protected sessions the GPU is losing, held in the engine's offload tier instead.
 
 An LMCache tier behind the engine is written through (every prefill is stored) and evicts by
-LRU, so one no larger than the GPU pool holds about what the pool holds: both see the same
-accesses in the same order. What kvkeeper knows and the tier does not is which contexts will be
-back. On every retention tick of an engine with a tier, the keeper pins the recorded contexts of
-the sessions retention protects, chosen by :func:`policy.tier_pins.plan_pins` within
-``retention.tier_pin_share`` of the tier's capacity; the rest of the tier stays LRU. A session
-whose whole prefix (its complete chunks) is stored and pinned is *held by the tier*: its resume
-loads the prefix over PCIe (about a tenth of a re-prefill's cost) instead of recomputing it, so
-retention sends it no keep-alive touches, which leaves the GPU pool to the live traffic.
+LRU; it does not know which contexts will be back. kvkeeper does: the sessions retention
+protects (a tool call outstanding, a TTL). Retention keeps them on the GPU with keep-alive
+touches while their GPU protection fits its budget; when the GPU begins to lose one anyway
+(KV events show its prefix no longer whole: a pressure override, a touch too late), the keeper
+pins its recorded context in the tier while the tier still holds it, chosen by
+:func:`policy.tier_pins.plan_pins` within ``retention.tier_pin_share`` of the tier's capacity
+(read from the MP server's ``/status``). The rest of the tier stays LRU. A session whose whole
+prefix (its complete chunks) is stored and pinned is *held by the tier*: its resume loads the
+prefix (over PCIe from CPU memory, about a tenth of a re-prefill's cost on the h100 profile)
+instead of recomputing it, so retention sends it no touches. Without KV events residency is
+unknown and every protected session is a candidate.
 
-LMCache counts pins per chunk key, so each session version is pinned once: a session that
-records a new context is pinned again, then its old version unpinned (the chunks they share never
-drop to zero). A session no longer protected, or no longer within the share, is unpinned. Pins
-outlive a crashed kvkeeper (LMCache has no pin TTL); :meth:`TierKeeper.release` on a clean stop
-undoes them. A tier that does not answer leaves sessions to the touches, as without a tier.
+LMCache counts pins per chunk key, so each session version is pinned once and released when the
+session records a new context (its resume: resident again), when its protection ends, or when it
+falls out of the share; a new version pinned replaces the old one after it, so the chunks both
+cover never drop to zero. On the LMCache MP stack the coordinator's pins protect the L2 copy
+(L1 stays LRU), so a held session may load from L2. Pins outlive a crashed kvkeeper (LMCache
+has no pin TTL); :meth:`TierKeeper.release` on a clean stop undoes them. A tier that does not
+answer leaves sessions to the touches, as without a tier.
 """
 
 from __future__ import annotations
@@ -99,7 +104,11 @@ class TierKeeper:
         if capacity is not None:
             chunk = tier.config.chunk_size
             bs = es.adapter.cache.block_size
-            names = {f"{t}\x1f{sid}": (t, sid) for t, sid in by_key}
+            names = {
+                f"{t}\x1f{sid}": (t, sid)
+                for (t, sid), s in by_key.items()
+                if self._candidate(es, st, s, blocks.get((t, sid), ()))
+            }
             wanted = plan_pins(
                 [
                     PinCandidate(
@@ -146,6 +155,20 @@ class TierKeeper:
         return {"sessions": len(st.pins), "chunks": sum(p.chunks for p in st.pins.values())}
 
     # --- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _candidate(
+        es: EngineState, st: _TierState, session: Session, blocks: tuple[int, ...]
+    ) -> bool:
+        """Worth a pin: the GPU has begun to lose the session's prefix (with KV events; a
+        resident one is kept by touches, and the tier's LRU keeps its chunks as long), or its
+        current version is pinned already (kept until it records a new one)."""
+        pin = st.pins.get((session.tenant, session.session_id))
+        if pin is not None and pin.version == session.last_used:
+            return True
+        if es.subscriber is None or not blocks:
+            return True  # residency unknown: every protected session
+        return es.index.resident_prefix(blocks) < len(blocks)
+
     async def _pin_wanted(
         self, es: EngineState, tier: LMCacheAdapter, st: _TierState, want: list[Session]
     ) -> None:

@@ -31,7 +31,7 @@ from tests.realengine.lmcache_fixtures import (
     lmcache_vllm,
 )
 from tests.realengine.test_lmcache import aligned, eventually, tokens
-from tests.realengine.test_proxy_real import Client, proxy_for, session_json
+from tests.realengine.test_proxy_real import Client, metric, proxy_for, session_json
 
 __all__ = ["_clean_prefix_cache", "lmcache_engine_python", "lmcache_stack", "lmcache_vllm"]
 
@@ -130,3 +130,31 @@ async def test_offload_flood_prefetch_resume_evict_through_kvkeeper(
     assert evict["detail"]["tier_chunks_deleted"] == prefix // CHUNK_SIZE
     assert await eventually(lambda: lmc.lookup(session), (0).__eq__) == 0
     assert (await session_json(proxy, "off-1"))["state"] == "idle"
+
+
+async def test_a_protected_session_is_pinned_in_lmcache_until_its_protection_ends(
+    rig: tuple[Client, LMCacheAdapter, VLLMAdapter],
+) -> None:
+    """Retention pins what it protects in the tier (proxy/tiers.py), on the real coordinator:
+    the capacity is read from the MP server's /status, the pins from the coordinator's table."""
+    proxy, lmc, _ = rig
+    session = tokens(9301, SESSION)
+    chunks = aligned(SESSION) // CHUNK_SIZE
+
+    async def turn(ttl: int) -> None:
+        hint = {"session_id": "pin-1", "cache_control": {"type": "ephemeral", "ttl": ttl}}
+        body = {"model": "smol", "prompt": session, "max_tokens": 1, "agent_hint": hint}
+        resp = await proxy.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+
+    async def pins() -> dict[str, int]:
+        return await lmc.pin_counts(session)
+
+    await turn(300)
+    pinned = await eventually(pins, lambda c: len(c) == chunks)
+    assert sorted(pinned.values()) == [1] * chunks, pinned  # one pin per chunk, not one per tick
+    assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 1
+    await turn(1)  # the next turn asks for one second: the new version pinned, the old released
+    released = await eventually(pins, lambda c: not c, within=30)
+    assert released == {}, released
+    assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 0

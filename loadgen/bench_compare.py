@@ -13,9 +13,10 @@ Targets (``--targets``, default: every one that applies):
 * ``none+priority`` / ``full+priority`` (only when named): ``none`` / ``full`` with kvkeeper's
   cache-aware admission order (``admission_priority``, :mod:`policy.admission`) on engines run
   with ``--scheduling-policy priority`` (whatever ``--scheduling-policy`` the others get);
-* ``engine-notier`` / ``full-nopins`` (only when named, for runs with ``--cpu-blocks``):
+* ``engine-notier`` / ``full+pins`` (only when named, for runs with ``--cpu-blocks``):
   ``engine`` on simulators without the CPU tier (what the tier itself adds), and ``full`` with
-  no tier pins (``tier_pin_share`` 0, :mod:`proxy.tiers`: protected sessions kept by touches);
+  tier pins (``tier_pin_share`` 0.5, :mod:`proxy.tiers`: protected sessions the GPU is losing
+  pinned in the tier);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -85,7 +86,7 @@ HINTED: dict[str, HintMode] = {
     "full+unbounded": "full",
     "none+priority": "none",
     "full+priority": "full",
-    "full-nopins": "full",
+    "full+pins": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
 TARGET_RETENTION: dict[str, dict[str, Any]] = {
@@ -93,11 +94,11 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "full+unbounded": {"max_overhead_share": None},
     "none+priority": {"admission_priority": True},
     "full+priority": {"admission_priority": True},
-    "full-nopins": {"tier_pin_share": 0.0},
+    "full+pins": {"tier_pin_share": 0.5},
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
-ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full-nopins"}) | PRIORITY_TARGETS
+ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full+pins"}) | PRIORITY_TARGETS
 PLAIN = frozenset({"engine", "engine-notier"})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
@@ -110,7 +111,7 @@ TARGETS = (
     "full+unbounded",
     "none+priority",
     "full+priority",
-    "full-nopins",
+    "full+pins",
     "round-robin",
     "vllm-router",
 )

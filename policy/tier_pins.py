@@ -1,11 +1,11 @@
 """Which protected sessions to pin in the offload tier.
 
-An LMCache tier behind the engine stores every prefill (write-through) and evicts by LRU. A tier
-no larger than the GPU pool then holds about what the pool holds: both see the same accesses in
-the same order, so what LRU drops from the pool it has dropped from the tier as well. Pins turn
-part of the tier into room for the contexts kvkeeper knows will be back: the sessions it
-protects (a tool call outstanding, a TTL). A pinned context's resume loads its prefix from the
-tier instead of recomputing it, so it needs no keep-alive touches on the GPU.
+An LMCache tier behind the engine stores every prefill (write-through) and evicts by LRU, so
+it keeps what was used last, not what will be back. Pins turn part of the tier into room for
+the contexts kvkeeper knows will be back: the sessions it protects (a tool call outstanding, a
+TTL) that the GPU has begun to lose (``proxy/tiers.py`` picks the candidates). A pinned
+context's resume loads its prefix from the tier instead of recomputing it, so it needs no
+keep-alive touches on the GPU.
 
 Selection rule (:func:`plan_pins`): at most ``share`` x the tier's capacity in chunks is pinned;
 sessions are taken soonest protection end first (the nearest resume: a TTL is a multiple of the

@@ -106,9 +106,10 @@ class RetentionSettings(BaseModel):
     # a touch not served by then is waiting in the engine's queue: abandoned (outcome "late")
     touch_deadline_s: float = Field(default=1.0, gt=0)
     budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
-    # protected sessions pinned in the engine's offload tier (proxy/tiers.py), within this
-    # share of its capacity; a session the tier holds gets no GPU touches (0: touches only)
-    tier_pin_share: float = Field(default=0.5, ge=0, le=1)
+    # protected sessions the GPU is losing pinned in the engine's offload tier (proxy/tiers.py),
+    # within this share of its capacity; a session the tier holds gets no GPU touches. Off by
+    # default: LMCache MP pins protect L2 only, and the simulator's gains were within noise
+    tier_pin_share: float = Field(default=0.0, ge=0, le=1)
     fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
     lease_ttl_s: float = Field(default=3.0, gt=0)
     # block ids of a protected session are re-learned (a tokenize) once it has paused this long

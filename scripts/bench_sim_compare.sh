@@ -41,10 +41,9 @@ run swarm-p50     "${SWARM[@]}"  --pool-frac 0.5
 run fanout-p50    "${FANOUT[@]}" --pool-frac 0.5
 run swarm-r2-p50  "${SWARM[@]}"  --pool-frac 0.5 --replicas 2
 run trace-r2-n16-p50 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5 --replicas 2
-# with an LMCache-shaped CPU tier as large as the pool (write-through, LRU; kvkeeper pins the
-# protected sessions in it and prefetches through it): the ceilings stay those of the pool alone.
-# TARGETS=engine,engine-notier,full-nopins,full adds the engine without the tier and kvkeeper
-# without the pins beside them
+# with an LMCache-shaped CPU tier as large as the pool (write-through, LRU; kvkeeper prefetches
+# through it): the ceilings stay those of the pool alone. TARGETS=engine,engine-notier,full,full+pins
+# adds the engine without the tier and kvkeeper pinning protected sessions in it
 run trace-n8-p25-tier  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25 --cpu-blocks 1920
 run trace-n16-p50-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5  --cpu-blocks 4687
 run swarm-p50-tier     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057

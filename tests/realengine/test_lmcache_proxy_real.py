@@ -133,28 +133,42 @@ async def test_offload_flood_prefetch_resume_evict_through_kvkeeper(
 
 
 async def test_a_protected_session_is_pinned_in_lmcache_until_its_protection_ends(
-    rig: tuple[Client, LMCacheAdapter, VLLMAdapter],
+    lmcache_vllm: LMCacheVLLM, redis_server: RedisServer, namespace: str
 ) -> None:
-    """Retention pins what it protects in the tier (proxy/tiers.py), on the real coordinator:
-    the capacity is read from the MP server's /status, the pins from the coordinator's table."""
-    proxy, lmc, _ = rig
+    """Retention pins what it protects in the tier (proxy/tiers.py, ``tier_pin_share``), on the
+    real coordinator: the capacity is read from the MP server's /status, the pins from the
+    coordinator's table. Without KV events every protected session is a candidate."""
+    stack = lmcache_vllm.stack
+    tier = {
+        "coordinator_url": stack.coordinator_url,
+        "server_url": stack.server_url,
+        "model_name": lmcache_vllm.model_dir,
+        "chunk_size": CHUNK_SIZE,
+    }
+    spec = {"url": lmcache_vllm.url, "lmcache": tier}
+    config = LMCacheConfig(stack.coordinator_url, stack.server_url, lmcache_vllm.model_dir)
     session = tokens(9301, SESSION)
     chunks = aligned(SESSION) // CHUNK_SIZE
+    async with (
+        aiohttp.ClientSession() as http,
+        proxy_for(spec, redis_server.url, namespace, tier_pin_share=0.5) as proxy,
+    ):
+        lmc = LMCacheAdapter(http, config)
 
-    async def turn(ttl: int) -> None:
-        hint = {"session_id": "pin-1", "cache_control": {"type": "ephemeral", "ttl": ttl}}
-        body = {"model": "smol", "prompt": session, "max_tokens": 1, "agent_hint": hint}
-        resp = await proxy.post("/v1/completions", json=body)
-        assert resp.status == 200, await resp.text()
+        async def turn(ttl: int) -> None:
+            hint = {"session_id": "pin-1", "cache_control": {"type": "ephemeral", "ttl": ttl}}
+            body = {"model": "smol", "prompt": session, "max_tokens": 1, "agent_hint": hint}
+            resp = await proxy.post("/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
 
-    async def pins() -> dict[str, int]:
-        return await lmc.pin_counts(session)
+        async def pins() -> dict[str, int]:
+            return await lmc.pin_counts(session)
 
-    await turn(300)
-    pinned = await eventually(pins, lambda c: len(c) == chunks)
-    assert sorted(pinned.values()) == [1] * chunks, pinned  # one pin per chunk, not one per tick
-    assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 1
-    await turn(1)  # the next turn asks for one second: the new version pinned, the old released
-    released = await eventually(pins, lambda c: not c, within=30)
-    assert released == {}, released
-    assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 0
+        await turn(300)
+        pinned = await eventually(pins, lambda c: len(c) == chunks)
+        assert sorted(pinned.values()) == [1] * chunks, pinned  # once per chunk, not per tick
+        assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 1
+        await turn(1)  # the next turn asks for one second: new version pinned, old released
+        released = await eventually(pins, lambda c: not c, within=30)
+        assert released == {}, released
+        assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 0

@@ -16,7 +16,8 @@ Targets (``--targets``, default: every one that applies):
 * ``engine-notier`` / ``full+pins`` (only when named, for runs with ``--cpu-blocks``):
   ``engine`` on simulators without the CPU tier (what the tier itself adds), and ``full`` with
   tier pins (``tier_pin_share`` 0.5, :mod:`proxy.tiers`: protected sessions the GPU is losing
-  pinned in the tier);
+  pinned in the tier); ``full+tiercover``: ``full`` with ``tier_skip_touches`` (no touches for
+  protected sessions the tier will still hold when their protection ends);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -87,6 +88,7 @@ HINTED: dict[str, HintMode] = {
     "none+priority": "none",
     "full+priority": "full",
     "full+pins": "full",
+    "full+tiercover": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
 TARGET_RETENTION: dict[str, dict[str, Any]] = {
@@ -95,10 +97,11 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "none+priority": {"admission_priority": True},
     "full+priority": {"admission_priority": True},
     "full+pins": {"tier_pin_share": 0.5},
+    "full+tiercover": {"tier_skip_touches": True},
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
-ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full+pins"}) | PRIORITY_TARGETS
+ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full+pins", "full+tiercover"}) | PRIORITY_TARGETS
 PLAIN = frozenset({"engine", "engine-notier"})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
@@ -112,6 +115,7 @@ TARGETS = (
     "none+priority",
     "full+priority",
     "full+pins",
+    "full+tiercover",
     "round-robin",
     "vllm-router",
 )

@@ -450,6 +450,7 @@ class Retention:
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
         # the pins of sessions no longer protected are released, so this runs with none too)
         held = await self.tiers.tick(es, sessions, blocks, now)
+        held |= await self.tiers.covered(es, sessions, now)
         sessions = [s for s in sessions if (s.tenant, s.session_id) not in held]
         if not sessions:
             return

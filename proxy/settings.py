@@ -110,6 +110,9 @@ class RetentionSettings(BaseModel):
     # within this share of its capacity; a session the tier holds gets no GPU touches. Off by
     # default: LMCache MP pins protect L2 only, and the simulator's gains were within noise
     tier_pin_share: float = Field(default=0.0, ge=0, le=1)
+    # no GPU touches for protected sessions the offload tier will still hold when their
+    # protection ends (proxy/tiers.py): for tiers larger than the pool
+    tier_skip_touches: bool = False
     fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
     lease_ttl_s: float = Field(default=3.0, gt=0)
     # block ids of a protected session are re-learned (a tokenize) once it has paused this long

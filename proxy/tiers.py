@@ -64,6 +64,8 @@ class _Pin:
 @dataclass(slots=True)
 class _TierState:
     pins: dict[SessionKey, _Pin] = field(default_factory=dict)
+    # session -> (last_used of the version looked up, whether the tier stored all of it)
+    stored: dict[SessionKey, tuple[float, bool]] = field(default_factory=dict)
     capacity_chunks: int | None = None
     capacity_at: float = -math.inf
 
@@ -137,6 +139,44 @@ class TierKeeper:
             and pin.stored >= pin.chunks * tier.config.chunk_size
         }
 
+    async def covered(
+        self, es: EngineState, sessions: Sequence[Session], now: float
+    ) -> set[SessionKey]:
+        """Protected sessions the tier will still hold when their protection ends: it stores
+        their whole context, and the GPU blocks allocated since their last request plus those
+        allocated at the current rate until their protection ends stay within
+        ``safety_fraction`` of the tier's capacity (the tier stores what the GPU computes, so
+        its LRU front moves as fast). A resume loads such a context; GPU touches would only
+        take scheduler slots (``retention.tier_skip_touches``)."""
+        tier = es.tier
+        if not self.settings.tier_skip_touches or tier is None or es.subscriber is None:
+            return set()
+        assert es.tap is not None
+        st = self._state.setdefault(es.engine.name, _TierState())
+        capacity = await self._capacity(tier, st, now)
+        if capacity is None:
+            return set()
+        room = self.settings.safety_fraction * capacity * tier.config.chunk_size
+        room /= es.adapter.cache.block_size  # in GPU blocks
+        rate = es.tap.stores.rate(now)
+        out: set[SessionKey] = set()
+        checks = 0
+        for s in sessions:
+            sk = (s.tenant, s.session_id)
+            if es.tap.allocated_since(s.last_used) + rate * s.ttl_left(now) > room:
+                continue
+            known = st.stored.get(sk)
+            if known is None or known[0] != s.last_used:
+                if checks >= self.max_pins_per_tick:
+                    continue
+                checks += 1
+                known = st.stored[sk] = (s.last_used, await self._stored_in_full(es, tier, s))
+            if known[1]:
+                out.add(sk)
+        live = {(s.tenant, s.session_id) for s in sessions}
+        st.stored = {sk: v for sk, v in st.stored.items() if sk in live}
+        return out
+
     async def release(self, es: EngineState) -> None:
         """Undo every pin this keeper holds on ``es``'s tier (a clean stop)."""
         st = self._state.pop(es.engine.name, None)
@@ -191,22 +231,32 @@ class TierKeeper:
             else:
                 self.metrics.offloads.inc()
 
-    async def _pin(self, es: EngineState, tier: LMCacheAdapter, session: Session) -> _Pin | None:
-        """Pin the session's recorded context; None when it has none the tier can key."""
+    async def _context(
+        self, es: EngineState, session: Session
+    ) -> tuple[list[int], str | None] | None:
+        """The token ids and cache salt of the session's recorded context (None: none the tier
+        can key)."""
         if es.no_tokenize:
             return None
+        blob = await self.store.get_context(session.tenant, session.session_id)
+        if blob is None:
+            return None
+        ctx = decode_context(blob)
+        if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+            return None  # /v1/messages, /v1/responses: no tokenizer route to key them
+        tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
+        if ctx.block_offset is not None:
+            tokens = tokens[: ctx.block_offset * es.adapter.cache.block_size]
+        salt = ctx.body.get("cache_salt")
+        return tokens, salt if isinstance(salt, str) else None
+
+    async def _pin(self, es: EngineState, tier: LMCacheAdapter, session: Session) -> _Pin | None:
+        """Pin the session's recorded context; None when it has none the tier can key."""
         try:
-            blob = await self.store.get_context(session.tenant, session.session_id)
-            if blob is None:
+            found = await self._context(es, session)
+            if found is None:
                 return None
-            ctx = decode_context(blob)
-            if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
-                return None  # /v1/messages, /v1/responses: no tokenizer route to key them
-            tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
-            if ctx.block_offset is not None:
-                tokens = tokens[: ctx.block_offset * es.adapter.cache.block_size]
-            salt = ctx.body.get("cache_salt")
-            salt = salt if isinstance(salt, str) else None
+            tokens, salt = found
             await tier.pin(tokens, cache_salt=salt)
         except StoreDown:
             return None
@@ -219,6 +269,23 @@ class TierKeeper:
         except _TIER_ERRORS as exc:  # pinned, but not known to be stored: touches go on
             log.warning("tier lookup of %s failed: %s", session.session_id, exc)
         return pin
+
+    async def _stored_in_full(
+        self, es: EngineState, tier: LMCacheAdapter, session: Session
+    ) -> bool:
+        """Whether the tier stores every complete chunk of the session's recorded context."""
+        try:
+            found = await self._context(es, session)
+            if found is None:
+                return False
+            tokens, salt = found
+            want = len(tokens) // tier.config.chunk_size * tier.config.chunk_size
+            return want > 0 and await tier.lookup(tokens, cache_salt=salt) >= want
+        except StoreDown:
+            return False
+        except _TIER_ERRORS as exc:
+            log.warning("tier lookup of %s failed: %s", session.session_id, exc)
+            return False
 
     @staticmethod
     async def _unpin(tier: LMCacheAdapter, pin: _Pin) -> None:

@@ -104,3 +104,24 @@ async def test_pins_stay_within_their_share_of_the_tier(
             await st.proxy.get("/admin/engines", headers={"Authorization": "Bearer admin-secret"})
         ).json()
         assert view["data"][0]["retention"]["tier_pinned"] == {"sessions": 1, "chunks": CHUNKS}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+async def test_no_touches_for_sessions_a_large_tier_keeps(
+    redis_server: RedisServer, namespace: str, skip: bool
+) -> None:
+    """A tier of 4,000 blocks behind a 200-block pool: a flood of a few requests moves the
+    tier's LRU front far less than half its capacity, so with ``tier_skip_touches`` the
+    protected session gets no touches and resumes from the tier all the same."""
+    async with sim_stack(
+        redis_server.url, namespace, cpu_blocks=4000, tier_skip_touches=skip
+    ) as st:
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 3}})
+        await _flood(st, n=4)
+        touches = await st.metric("kvkeeper_touches_total", label='outcome="ok"')
+        resumed = cached(await st.complete(prompt(1), {"session_id": "w"}))
+        assert resumed >= CHUNKS * 256  # from the GPU (touched) or the tier (not)
+        if skip:
+            assert touches == 0
+        else:
+            assert touches >= 1

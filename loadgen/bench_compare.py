@@ -101,7 +101,9 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
-ON_REQUEST = frozenset({"full+unbounded", "engine-notier", "full+pins", "full+tiercover"}) | PRIORITY_TARGETS
+ON_REQUEST = (
+    frozenset({"full+unbounded", "engine-notier", "full+pins", "full+tiercover"}) | PRIORITY_TARGETS
+)
 PLAIN = frozenset({"engine", "engine-notier"})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from adapters.base import AdapterError, EngineRejected, TouchResult, Unsupported
+from adapters.base import AdapterError, EngineMetrics, EngineRejected, TouchResult, Unsupported
 from adapters.kv_events import (
     GPU,
     AllBlocksCleared,
@@ -170,6 +170,10 @@ class EngineState:
     # scrape, and the prompt tokens retention sent since: served traffic earns the credit
     queries_seen: float | None = None
     retention_sent: int = 0
+    # prompt tokens the engine computed (not found in its cache or the tier) per second, from
+    # its counters: how fast a written-through offload tier takes in new content
+    computed_seen: tuple[float, float] | None = None  # (when, cumulative tokens)
+    computed_rate: float | None = None
     touch_latency_s: float = 0.05  # running mean of how long touches take to be served
     trimmed_blocks: int = 0  # blocks touches stopped short of (the front would take them first)
 
@@ -552,6 +556,7 @@ class Retention:
         except AdapterError:
             return
         self._earn(es, m.prefix_cache_queries)
+        self._computed(es, m, now)
         pool = (
             m.cache_config.num_blocks if m.cache_config else None
         ) or es.adapter.cache.num_blocks
@@ -562,6 +567,19 @@ class Retention:
                 waiting=m.waiting,
                 running=m.running,
             )
+
+    @staticmethod
+    def _computed(es: EngineState, m: EngineMetrics, now: float) -> None:
+        """Update ``es.computed_rate`` (smoothed over scrapes) from the engine's counters."""
+        if m.prefix_cache_queries is None or m.prefix_cache_hits is None:
+            return
+        total = m.prefix_cache_queries - m.prefix_cache_hits - (m.external_prefix_cache_hits or 0)
+        seen = es.computed_seen
+        if seen is not None and now > seen[0] and total >= seen[1]:
+            rate = (total - seen[1]) / (now - seen[0])
+            prev = es.computed_rate
+            es.computed_rate = rate if prev is None else 0.5 * prev + 0.5 * rate
+        es.computed_seen = (now, total)
 
     async def fresh_load(self, es: EngineState, max_age_s: float = 0.5) -> EngineLoad | None:
         """The engine's load, scraped again when the last reading is older than ``max_age_s``."""

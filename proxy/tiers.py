@@ -143,27 +143,25 @@ class TierKeeper:
         self, es: EngineState, sessions: Sequence[Session], now: float
     ) -> set[SessionKey]:
         """Protected sessions the tier will still hold when their protection ends: it stores
-        their whole context, and the GPU blocks allocated since their last request plus those
-        allocated at the current rate until their protection ends stay within
-        ``safety_fraction`` of the tier's capacity (the tier stores what the GPU computes, so
-        its LRU front moves as fast). A resume loads such a context; GPU touches would only
-        take scheduler slots (``retention.tier_skip_touches``)."""
+        their whole context, and the tokens the engine computes (the new content a
+        written-through tier takes in) from their last request to the end of their protection,
+        at the current rate, stay within ``safety_fraction`` of the tier's capacity. A resume
+        loads such a context; GPU touches would only take scheduler slots
+        (``retention.tier_skip_touches``)."""
         tier = es.tier
-        if not self.settings.tier_skip_touches or tier is None or es.subscriber is None:
+        rate = es.computed_rate
+        if not self.settings.tier_skip_touches or tier is None or rate is None:
             return set()
-        assert es.tap is not None
         st = self._state.setdefault(es.engine.name, _TierState())
         capacity = await self._capacity(tier, st, now)
         if capacity is None:
             return set()
         room = self.settings.safety_fraction * capacity * tier.config.chunk_size
-        room /= es.adapter.cache.block_size  # in GPU blocks
-        rate = es.tap.stores.rate(now)
         out: set[SessionKey] = set()
         checks = 0
         for s in sessions:
             sk = (s.tenant, s.session_id)
-            if es.tap.allocated_since(s.last_used) + rate * s.ttl_left(now) > room:
+            if rate * max(0.0, s.ttl_until - s.last_used) > room:
                 continue
             known = st.stored.get(sk)
             if known is None or known[0] != s.last_used:

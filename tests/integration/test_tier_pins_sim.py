@@ -110,13 +110,19 @@ async def test_pins_stay_within_their_share_of_the_tier(
 async def test_no_touches_for_sessions_a_large_tier_keeps(
     redis_server: RedisServer, namespace: str, skip: bool
 ) -> None:
-    """A tier of 4,000 blocks behind a 200-block pool: a flood of a few requests moves the
-    tier's LRU front far less than half its capacity, so with ``tier_skip_touches`` the
-    protected session gets no touches and resumes from the tier all the same."""
+    """A tier of 8,000 blocks (256,000 tokens) behind a 200-block pool: what the engine computes
+    until the session's protection ends stays far within half the tier, so with
+    ``tier_skip_touches`` the protected session gets no touches and resumes from the tier."""
     async with sim_stack(
-        redis_server.url, namespace, cpu_blocks=4000, tier_skip_touches=skip
+        redis_server.url, namespace, cpu_blocks=8000, tier_skip_touches=skip
     ) as st:
-        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 3}})
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 10}})
+        es = next(iter(st.runtime().retention.engines.values()))
+
+        async def rate_known() -> bool:
+            return es.computed_rate is not None
+
+        assert await wait_for(rate_known), "the engine's computed-token rate was never read"
         await _flood(st, n=4)
         touches = await st.metric("kvkeeper_touches_total", label='outcome="ok"')
         resumed = cached(await st.complete(prompt(1), {"session_id": "w"}))

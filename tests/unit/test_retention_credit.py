@@ -42,3 +42,27 @@ def test_a_counter_that_went_back_counts_from_zero() -> None:
     Retention._earn(es, 50_000.0)
     Retention._earn(es, 3_000.0)  # the engine restarted
     assert es.overhead.credit == pytest.approx(30)
+
+
+def test_computed_token_rate_is_what_neither_cache_nor_tier_served() -> None:
+    """``computed_rate``: prompt tokens queried less GPU and tier hits, per second, smoothed."""
+    from adapters.base import EngineMetrics
+
+    es = SimpleNamespace(computed_seen=None, computed_rate=None)
+
+    def read(queries: float, hits: float, external: float, at: float) -> None:
+        m = EngineMetrics(
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            external_prefix_cache_hits=external,
+        )
+        Retention._computed(es, m, at)  # type: ignore[arg-type]
+
+    read(1_000, 400, 100, at=10.0)  # the baseline: 500 computed so far
+    assert es.computed_rate is None
+    read(5_500, 2_400, 600, at=12.0)  # 2,000 more computed in 2 s
+    assert es.computed_rate == pytest.approx(1_000)
+    read(5_500, 2_400, 600, at=14.0)  # idle: the mean halves
+    assert es.computed_rate == pytest.approx(500)
+    read(100, 0, 0, at=16.0)  # counters went back (a restart): a new baseline, rate kept
+    assert es.computed_rate == pytest.approx(500) and es.computed_seen == (16.0, 100)

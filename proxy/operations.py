@@ -81,7 +81,9 @@ class SessionOps:
         return tokens
 
     async def _shared_blocks(self, session: Session) -> int:
-        """Leading blocks shared with a live parent, sibling or child (kept on evict)."""
+        """Leading blocks shared with a live parent, sibling or child, or with any other session
+        retention has learned (an agent's system prompt many users' sessions start with): kept
+        on evict."""
         relatives: list[str] = list(session.children)
         if session.parent:
             relatives.append(session.parent)
@@ -89,7 +91,7 @@ class SessionOps:
             if parent is not None:
                 relatives.extend(c for c in parent.children if c != session.session_id)
         mine = await self.retention.blocks_of(session.tenant, session.session_id, session)
-        shared = 0
+        shared = self.retention.shared_prefix(session.tenant, session.session_id, mine)
         for other in await self.store.get_many(session.tenant, relatives):
             if other is None or other.state not in ("active", "protected"):
                 continue

@@ -404,6 +404,22 @@ class Retention:
         cached = self._blocks.get((tenant, sid))
         return cached[1] if cached is not None else ()
 
+    def shared_prefix(self, tenant: str, sid: str, blocks: tuple[int, ...]) -> int:
+        """Leading blocks of ``blocks`` that another session learned here also starts with
+        (any tenant: block ids chain over the content and its cache salt). Sessions that ended
+        may still be counted, which only keeps more."""
+        best = 0
+        for key, (_, theirs) in self._blocks.items():
+            if key == (tenant, sid) or not theirs or theirs[0] != (blocks[0] if blocks else None):
+                continue
+            n = 0
+            for a, b in zip(blocks, theirs, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
     def forget(self, tenant: str, sid: str) -> None:
         self._blocks.pop((tenant, sid), None)
         if self.anchors is not None:

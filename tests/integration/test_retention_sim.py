@@ -185,6 +185,26 @@ async def test_offload_prefetch_evict_through_the_cpu_tier(
         assert tier is not None and await tier.lookup(prompt(1)) == 0
 
 
+async def test_evict_keeps_the_chunks_an_unrelated_session_starts_with(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Two users' sessions start with one agent's 768-token system prompt: evicting one when it
+    finishes must not delete that prompt's chunks from the tier under the other."""
+    system = prompt(50, 768)
+    a, b = system + prompt(1, 1249), system + prompt(2, 1249)
+    async with sim_stack(redis_server.url, namespace, cpu_blocks=1000) as st:
+        await st.complete(a, {"session_id": "a", "cache_control": {"ttl": 300}})
+        await st.complete(b, {"session_id": "b", "cache_control": {"ttl": 300}})
+        await _known_blocks(st, "a")
+        await _known_blocks(st, "b")
+        ev = (await st.manage("a", "evict"))["results"][0]
+        assert ev["status"] == "applied", ev
+        assert ev["detail"]["tier_chunks_deleted"] == 0
+        assert ev["detail"]["shared_tokens_kept"] == 768
+        tier = st.sim.engine.cpu
+        assert tier is not None and tier.lookup_prefix(b, None) == 7 * 256
+
+
 @pytest.mark.parametrize(("burst", "status"), [(64, "rejected"), (4096, "applied")])
 async def test_an_offload_that_must_re_prefill_spends_retention_credit(
     redis_server: RedisServer, namespace: str, burst: int, status: str

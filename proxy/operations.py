@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from adapters.base import AdapterError, TouchResult
+from policy.anchors import common_prefix
 from proxy.context import decode_context
 from proxy.edits import EditResult
 from proxy.hints import Edit
@@ -96,12 +97,7 @@ class SessionOps:
             if other is None or other.state not in ("active", "protected"):
                 continue
             theirs = await self.retention.blocks_of(other.tenant, other.session_id, other)
-            n = 0
-            for a, b in zip(mine, theirs, strict=False):
-                if a != b:
-                    break
-                n += 1
-            shared = max(shared, n)
+            shared = max(shared, common_prefix(mine, theirs))
         return shared
 
     # --- the operations -----------------------------------------------------------------------

@@ -59,6 +59,7 @@ from policy import (
     plan_touches,
     touch_extent,
 )
+from policy.anchors import common_prefix
 from policy.horizon import RateMeter, fill_time_horizon
 from proxy.anchors import AnchorKeeper
 from proxy.context import RecordedContext, decode_context
@@ -408,17 +409,16 @@ class Retention:
         """Leading blocks of ``blocks`` that another session learned here also starts with
         (any tenant: block ids chain over the content and its cache salt). Sessions that ended
         may still be counted, which only keeps more."""
-        best = 0
-        for key, (_, theirs) in self._blocks.items():
-            if key == (tenant, sid) or not theirs or theirs[0] != (blocks[0] if blocks else None):
-                continue
-            n = 0
-            for a, b in zip(blocks, theirs, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
+        if not blocks:
+            return 0
+        return max(
+            (
+                common_prefix(blocks, theirs)
+                for key, (_, theirs) in self._blocks.items()
+                if key != (tenant, sid) and theirs and theirs[0] == blocks[0]
+            ),
+            default=0,
+        )
 
     def forget(self, tenant: str, sid: str) -> None:
         self._blocks.pop((tenant, sid), None)

@@ -187,10 +187,7 @@ class TierKeeper:
 
     def pinned(self, engine: str) -> dict[str, int]:
         """``{"sessions": n, "chunks": m}`` pinned on ``engine``'s tier (views)."""
-        st = self._state.get(engine)
-        if st is None:
-            return {"sessions": 0, "chunks": 0}
-        return {"sessions": len(st.pins), "chunks": sum(p.chunks for p in st.pins.values())}
+        return _counts(self._state.get(engine))
 
     # --- internals ------------------------------------------------------------------------------
     @staticmethod
@@ -308,6 +305,12 @@ class TierKeeper:
         return st.capacity_chunks
 
     def _report(self, es: EngineState, st: _TierState) -> None:
-        name = es.engine.name
-        self.metrics.tier_pinned_sessions.labels(name).set(len(st.pins))
-        self.metrics.tier_pinned_chunks.labels(name).set(sum(p.chunks for p in st.pins.values()))
+        counts = _counts(st)
+        self.metrics.tier_pinned_sessions.labels(es.engine.name).set(counts["sessions"])
+        self.metrics.tier_pinned_chunks.labels(es.engine.name).set(counts["chunks"])
+
+
+def _counts(st: _TierState | None) -> dict[str, int]:
+    """Sessions and chunks pinned (none without a state)."""
+    pins = st.pins.values() if st is not None else ()
+    return {"sessions": len(pins), "chunks": sum(p.chunks for p in pins)}

@@ -82,6 +82,11 @@ class EngineMetrics:
     prefix_cache_hits: float | None = None
     external_prefix_cache_hits: float | None = None
     preemptions: float | None = None
+    # (sum of seconds, count) of two histograms: a request's time from its first scheduling to
+    # its first token, and the time between output tokens; their means over a window give the
+    # length of the engine's steps
+    prefill_time: tuple[float, float] | None = None
+    inter_token: tuple[float, float] | None = None
     cache_config: CacheConfig | None = None
     raw: dict[str, float] = field(default_factory=dict)
 

@@ -110,6 +110,16 @@ def total(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
     return sum(found) if found else None
 
 
+def histogram(samples: Iterable[Sample], *names: str) -> tuple[float, float] | None:
+    """(sum, count) of the first of ``names`` (one histogram under its successive names) that
+    the exposition has, summed across label sets; None when none is there."""
+    for name in names:
+        sums, counts = total(samples, name + "_sum"), total(samples, name + "_count")
+        if sums is not None and counts is not None:
+            return sums, counts
+    return None
+
+
 def _int_label(labels: Mapping[str, str], *keys: str) -> int | None:
     for key in keys:
         raw = labels.get(key)
@@ -158,6 +168,10 @@ def engine_metrics_from(samples: list[Sample], *, hash_seed: str = "0") -> Engin
         prefix_cache_hits=total(samples, "vllm:prefix_cache_hits"),
         external_prefix_cache_hits=total(samples, "vllm:external_prefix_cache_hits"),
         preemptions=total(samples, "vllm:num_preemptions"),
+        prefill_time=histogram(samples, "vllm:request_prefill_time_seconds"),
+        inter_token=histogram(
+            samples, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+        ),
         cache_config=cache_config_from(samples, hash_seed=hash_seed),
         raw=raw,
     )

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvkeeper.anchors")
 
 # runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
-InTime = Callable[[Awaitable[TouchResult]], Awaitable[TouchResult | None]]
+InTime = Callable[["EngineState", Awaitable[TouchResult]], Awaitable[TouchResult | None]]
 # runs a touch as one of the retention layer's tasks, then the callback
 Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None]], None]
 
@@ -252,7 +252,7 @@ class AnchorKeeper:
         es.retention_sent += len(tokens)  # counted when sent, not earned
         try:
             result = await self._in_time(
-                es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
+                es, es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
             )
         except AdapterError as exc:
             self.metrics.anchor_touches.labels(name, "failed").inc()

@@ -176,6 +176,10 @@ class EngineState:
     computed_seen: tuple[float, float] | None = None  # (when, cumulative tokens)
     computed_rate: float | None = None
     touch_latency_s: float = 0.05  # running mean of how long touches take to be served
+    # the length of the engine's steps (smoothed over scrapes; None until seen), from the
+    # (sum, count) of its prefill-time and inter-token histograms at the last scrape
+    step_s: float | None = None
+    step_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
     trimmed_blocks: int = 0  # blocks touches stopped short of (the front would take them first)
 
     def __post_init__(self) -> None:
@@ -191,7 +195,7 @@ class _PrefixLost(Exception):
 
 
 class _TouchLate(Exception):
-    """A touch the engine did not serve within ``touch_deadline_s`` (abandoned)."""
+    """A touch the engine did not serve within its deadline (abandoned)."""
 
 
 def _key(tenant: str, sid: str) -> str:
@@ -573,6 +577,7 @@ class Retention:
             return
         self._earn(es, m.prefix_cache_queries)
         self._computed(es, m, now)
+        self._steps(es, m)
         pool = (
             m.cache_config.num_blocks if m.cache_config else None
         ) or es.adapter.cache.num_blocks
@@ -596,6 +601,35 @@ class Retention:
             prev = es.computed_rate
             es.computed_rate = rate if prev is None else 0.5 * prev + 0.5 * rate
         es.computed_seen = (now, total)
+
+    @staticmethod
+    def _steps(es: EngineState, m: EngineMetrics) -> None:
+        """Update ``es.step_s`` from the requests the engine finished since the last scrape.
+        Between two output tokens a request waits one step; from its first scheduling to its
+        first token, one step or, for a prompt prefilled in chunks, several. The smaller of the
+        two means is the closer to one step."""
+        means: list[float] = []
+        for name, hist in (("prefill", m.prefill_time), ("inter_token", m.inter_token)):
+            if hist is None:
+                continue
+            seen = es.step_seen.get(name)
+            es.step_seen[name] = hist
+            if seen is not None and hist[1] > seen[1] and hist[0] >= seen[0]:
+                means.append((hist[0] - seen[0]) / (hist[1] - seen[1]))
+        if means:
+            step = min(means)
+            es.step_s = step if es.step_s is None else 0.5 * es.step_s + 0.5 * step
+
+    def touch_deadline(self, es: EngineState) -> float:
+        """How long a keep-alive touch may take before it is abandoned: ``touch_deadline_s``,
+        or ``touch_deadline_steps`` of the engine's steps where those are longer. A touch that
+        arrives during a step waits for it and is served in the next, so on an engine whose
+        steps take seconds (a CPU engine prefilling a long prompt) a fixed second would abandon
+        touches that are only waiting their turn."""
+        floor = self.settings.touch_deadline_s
+        if es.step_s is None:
+            return floor
+        return max(floor, self.settings.touch_deadline_steps * es.step_s)
 
     async def fresh_load(self, es: EngineState, max_age_s: float = 0.5) -> EngineLoad | None:
         """The engine's load, scraped again when the last reading is older than ``max_age_s``."""
@@ -705,7 +739,7 @@ class Retention:
             self._mark_lost(es, session)
             return 0
         except _TouchLate:
-            es.touch_latency_s += 0.2 * (self.settings.touch_deadline_s - es.touch_latency_s)
+            es.touch_latency_s += 0.2 * (self.touch_deadline(es) - es.touch_latency_s)
             self.metrics.touches.labels(es.engine.name, "late").inc()
             return 0
         except (AdapterError, StoreDown, ValueError) as exc:
@@ -761,11 +795,11 @@ class Retention:
             tokens = tokens[: max(1, offset) * es.adapter.cache.block_size + 1]
             es.retention_sent += len(tokens)  # counted when sent, not earned (see _earn)
             result = await self._in_time(
-                es.adapter.touch_tokens(tokens, cache_salt=salt), warmup=warmup
+                es, es.adapter.touch_tokens(tokens, cache_salt=salt), warmup=warmup
             )
         elif ctx.route in (CHAT_ROUTE, COMPLETION_ROUTE):
             result = await self._in_time(
-                es.adapter.touch(ctx.route, ctx.prefix_body()), warmup=warmup
+                es, es.adapter.touch(ctx.route, ctx.prefix_body()), warmup=warmup
             )
             es.retention_sent += result.prompt_tokens  # (its length known only now)
         else:
@@ -788,8 +822,10 @@ class Retention:
             self.metrics.touch_recomputed_tokens.inc(recomputed)
         return result
 
-    async def _in_time(self, touch: Awaitable[TouchResult], *, warmup: bool) -> TouchResult:
-        """A keep-alive touch that the engine has not served within ``touch_deadline_s`` is
+    async def _in_time(
+        self, es: EngineState, touch: Awaitable[TouchResult], *, warmup: bool
+    ) -> TouchResult:
+        """A keep-alive touch that the engine has not served within its deadline is
         waiting in its queue, where it holds nothing: by the time it is scheduled LRU may have
         taken the prefix, and the touch would re-prefill it in the middle of the congestion.
         It is abandoned instead (the engine aborts a request whose client left). Warm-ups are
@@ -797,15 +833,17 @@ class Retention:
         if warmup:
             return await touch
         try:
-            async with asyncio.timeout(self.settings.touch_deadline_s):
+            async with asyncio.timeout(self.touch_deadline(es)):
                 return await touch
         except TimeoutError:
             raise _TouchLate from None
 
-    async def _touch_in_time(self, touch: Awaitable[TouchResult]) -> TouchResult | None:
+    async def _touch_in_time(
+        self, es: EngineState, touch: Awaitable[TouchResult]
+    ) -> TouchResult | None:
         """A keep-alive touch under the deadline; None when it was abandoned."""
         try:
-            return await self._in_time(touch, warmup=False)
+            return await self._in_time(es, touch, warmup=False)
         except _TouchLate:
             return None
 
@@ -850,6 +888,8 @@ class Retention:
             "tier_pinned": self.tiers.pinned(name) if es.tier is not None else None,
             "touches_in_flight": len(es.in_flight),
             "touch_latency_s": round(es.touch_latency_s, 4),
+            "step_s": None if es.step_s is None else round(es.step_s, 4),
+            "touch_deadline_s": round(self.touch_deadline(es), 3),
             "touch_trimmed_blocks": es.trimmed_blocks,
             "overhead": {
                 "max_share": es.overhead.config.share,

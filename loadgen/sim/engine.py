@@ -81,7 +81,9 @@ class SimRequest:
     num_cached_tokens: int = -1  # set at first scheduling (usage.cached_tokens)
     num_external_tokens: int = 0
     num_preemptions: int = 0
+    scheduled_at: float | None = None  # its first scheduling (vLLM's scheduled_ts)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finish_reason: str | None = None
     stored_to_cpu: bool = False
     # CPU-tier chunk keys of the first ``cpu_keys_for`` tokens: hashed once, not at every step
@@ -338,6 +340,7 @@ class SimEngine:
             self.running.append(req)
             seq.num_computed_tokens = local + external
             if req.num_cached_tokens < 0:
+                req.scheduled_at = asyncio.get_running_loop().time()
                 req.num_cached_tokens = local + external
                 req.num_external_tokens = external
             plan.cached_tokens += local
@@ -414,8 +417,12 @@ class SimEngine:
             seq.token_ids.append(token)
             if req.first_token_at is None:
                 req.first_token_at = now
-                self.stats.observe_ttft(now - req.arrival)
+                self.stats.ttft.observe(now - req.arrival)
+                self.stats.prefill.observe(now - (req.scheduled_at or req.arrival))
                 self.stats.prompt_tokens += req.prompt_len
+            else:
+                self.stats.inter_token.observe(now - (req.last_token_at or now))
+            req.last_token_at = now
             self.stats.generation_tokens += 1
             req.outputs.put_nowait(token)
             reason = self._stop_reason(req)

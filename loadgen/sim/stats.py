@@ -17,11 +17,33 @@ from prometheus_client.core import (
 if TYPE_CHECKING:
     from loadgen.sim.engine import SimEngine
 
-# vLLM's buckets for vllm:time_to_first_token_seconds
+# vLLM's buckets for vllm:time_to_first_token_seconds (used for every latency histogram here)
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Bucket counts and a sum of seconds, rendered as a Prometheus histogram."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def render(self, name: str, doc: str, labels: dict[str, str]) -> Metric:
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip((*TTFT_BUCKETS, float("inf")), self.counts, strict=True):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        fam = HistogramMetricFamily(name, doc, labels=list(labels))
+        fam.add_metric(list(labels.values()), buckets, self.sum)
+        return fam
 
 
 @dataclass(slots=True)
@@ -34,12 +56,10 @@ class EngineStats:
     external_queries: int = 0
     external_hits: int = 0
     finished: dict[str, int] = field(default_factory=dict)
-    ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
-    ttft_sum: float = 0.0
-
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft_counts[bisect.bisect_left(TTFT_BUCKETS, seconds)] += 1
-        self.ttft_sum += seconds
+    ttft: Histogram = field(default_factory=Histogram)
+    # vLLM's request_prefill_time (first scheduling to first token) and inter-token latency
+    prefill: Histogram = field(default_factory=Histogram)
+    inter_token: Histogram = field(default_factory=Histogram)
 
 
 class EngineCollector:
@@ -73,7 +93,7 @@ class EngineCollector:
         )
         yield from self._gauges(labels)
         yield self._success(labels)
-        yield self._ttft(labels)
+        yield from self._latencies(labels)
 
     def _gauges(self, labels: dict[str, str]) -> Iterator[Metric]:
         e = self._engine
@@ -103,20 +123,23 @@ class EngineCollector:
             fam.add_metric([*labels.values(), reason], count)
         return fam
 
-    def _ttft(self, labels: dict[str, str]) -> Metric:
+    def _latencies(self, labels: dict[str, str]) -> Iterator[Metric]:
         st = self._engine.stats
-        buckets: list[tuple[str, float]] = []
-        running = 0
-        for bound, count in zip((*TTFT_BUCKETS, float("inf")), st.ttft_counts, strict=True):
-            running += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        fam = HistogramMetricFamily(
+        yield st.ttft.render(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds",
-            labels=list(labels),
+            labels,
         )
-        fam.add_metric(list(labels.values()), buckets, st.ttft_sum)
-        return fam
+        yield st.prefill.render(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request",
+            labels,
+        )
+        yield st.inter_token.render(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            labels,
+        )
 
 
 def _counter(name: str, doc: str, value: float, labels: dict[str, str]) -> Metric:

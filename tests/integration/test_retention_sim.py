@@ -450,8 +450,9 @@ async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
 async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
     redis_server: RedisServer, namespace: str
 ) -> None:
-    # a simulator 200x slower than the profile: no touch is served within 1 ms
-    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.001) as st:
+    # the deadline leaves the touch time to reach the engine (a busy machine included), and the
+    # engine, 100,000x slower than the profile, cannot serve it in that time (a step takes ~8 s)
+    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.25) as st:
         await st.complete(prompt(1), {"session_id": "slow", "cache_control": {"ttl": 300}})
         retention, es = _engine_state(st)
         await st.runtime().settle()
@@ -459,17 +460,62 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
         assert session is not None
         await _known_blocks(st, "slow")
         fast = st.sim.engine.config
-        st.sim.engine.config = replace(fast, speed=0.005)
+        st.sim.engine.config = replace(fast, speed=fast.speed / 100_000)
         await retention._touch(es, session)
         assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 0  # nothing counted
-        st.sim.engine.config = fast
-        # the engine aborted it (the client left), as vLLM does, and freed its slot
 
+        # the engine aborted it (the client left), as vLLM does, and freed its slot
         async def aborted() -> bool:
             return st.sim.engine.stats.finished.get("abort", 0) == 1
 
         assert await wait_for(aborted), st.sim.engine.stats.finished
+        st.sim.engine.config = fast
+
+
+async def test_the_touch_deadline_stretches_to_the_engines_steps(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """On an engine whose steps outlast ``touch_deadline_s`` (here a 2,017-token prefill takes
+    0.5 s, as on a CPU engine), a touch sent during a step waits for it: abandoned while the
+    step length is unknown, served once kvkeeper has read it from the engine's prefill-time
+    histogram (the deadline becomes ``touch_deadline_steps`` steps)."""
+    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.2) as st:
+        await st.complete(prompt(1), {"session_id": "s", "cache_control": {"ttl": 300}})
+        retention, es = _engine_state(st)
+        await st.runtime().settle()
+        session = await retention.store.get("default", "s")
+        assert session is not None
+        await _known_blocks(st, "s")
+        es.step_s, es.step_seen = None, {}  # the step length not learned yet
+        await retention.fresh_load(es, max_age_s=0)  # (the histograms' baseline)
+        assert retention.touch_deadline(es) == 0.2
+        fast = st.sim.engine.config
+        st.sim.engine.config = replace(fast, speed=9)  # a 2,017-token prefill: 0.5 s
+
+        async def touch_during_a_prefill(seed: int) -> None:
+            flood = asyncio.create_task(st.complete(prompt(seed)))
+
+            async def prefilling() -> bool:
+                return bool(st.sim.engine.running)
+
+            assert await wait_for(prefilling, step=0.005)
+            await retention._touch(es, session)
+            await flood
+
+        await touch_during_a_prefill(2)
+        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
+        await retention.fresh_load(es, max_age_s=0)  # the 0.5 s prefill is in the histogram
+        assert es.step_s is not None and retention.touch_deadline(es) > 0.6, es.step_s
+        admin = {"Authorization": "Bearer admin-secret"}
+        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        view = engines["data"][0]["retention"]
+        assert view["touch_deadline_s"] > 0.6 and view["step_s"] > 0.2, view
+
+        await touch_during_a_prefill(3)
+        assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 1
+        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
+        st.sim.engine.config = fast
 
 
 async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, namespace: str) -> None:

@@ -191,6 +191,11 @@ async def test_metrics_and_cache_config_discovery(adapter: VLLMAdapter) -> None:
     assert after.prefix_cache_queries - before.prefix_cache_queries == 640
     assert after.prefix_cache_hits - before.prefix_cache_hits == 288
     assert after.running == 0
+    # the two requests' prefill times (the touch deadline's step length): scheduling to 1st token
+    assert before.prefill_time is not None and after.prefill_time is not None
+    assert after.prefill_time[1] - before.prefill_time[1] == 2
+    assert 0 < after.prefill_time[0] - before.prefill_time[0] < first.seconds + second.seconds
+    assert after.inter_token is not None  # exposed (one-token requests add no samples)
 
 
 async def test_event_endpoint_discovery(

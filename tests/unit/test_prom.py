@@ -36,6 +36,11 @@ vllm:external_prefix_cache_hits_total{engine="0",model_name="smol"} 0.0
 vllm:num_preemptions_total{engine="0",model_name="smol"} 2.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 12.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="smol"} 9.5
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 12.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="smol"} 12.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="smol"} 7.25
+vllm:inter_token_latency_seconds_count{engine="0",model_name="smol"} 40.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="smol"} 2.0
 vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",\
 enable_prefix_caching="True",engine="0",num_cpu_blocks="None",num_gpu_blocks="200",\
 num_gpu_blocks_override="200",prefix_caching_hash_algo="sha256_cbor",sliding_window="None"} 1.0
@@ -48,8 +53,19 @@ def test_vllm_page_to_engine_metrics() -> None:
     assert (m.prefix_cache_queries, m.prefix_cache_hits) == (25088.0, 6176.0)
     assert (m.external_prefix_cache_hits, m.preemptions) == (0.0, 2.0)
     assert m.cache_config == CacheConfig(32, 200, "sha256_cbor", "7")
+    assert m.prefill_time == (7.25, 12.0) and m.inter_token == (2.0, 40.0)  # (sum, count)
     assert m.raw["vllm:prefix_cache_queries_total"] == 25088.0
     assert "vllm:num_requests_waiting_by_reason" not in m.raw  # labelled beyond engine/model
+
+
+def test_histograms_under_their_older_names_or_absent() -> None:
+    older = (
+        "vllm:time_per_output_token_seconds_sum 3.0\nvllm:time_per_output_token_seconds_count 6\n"
+    )
+    m = engine_metrics_from(parse_text(older))
+    assert m.inter_token == (3.0, 6.0) and m.prefill_time is None
+    half = "vllm:request_prefill_time_seconds_sum 3.0\n"  # a sum without its count: unusable
+    assert engine_metrics_from(parse_text(half)).prefill_time is None
 
 
 def test_names_with_and_without_total_suffix() -> None:

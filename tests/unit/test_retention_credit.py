@@ -66,3 +66,34 @@ def test_computed_token_rate_is_what_neither_cache_nor_tier_served() -> None:
     assert es.computed_rate == pytest.approx(500)
     read(100, 0, 0, at=16.0)  # counters went back (a restart): a new baseline, rate kept
     assert es.computed_rate == pytest.approx(500) and es.computed_seen == (16.0, 100)
+
+
+def test_step_length_from_the_prefill_and_inter_token_histograms() -> None:
+    """``step_s``: the smaller of the windowed mean prefill time and inter-token latency, smoothed;
+    the touch deadline is ``touch_deadline_steps`` of it where that exceeds ``touch_deadline_s``."""
+    from adapters.base import EngineMetrics
+    from proxy.settings import RetentionSettings
+
+    es = SimpleNamespace(step_s=None, step_seen={})
+
+    def read(prefill: tuple[float, float] | None, itl: tuple[float, float] | None) -> None:
+        Retention._steps(es, EngineMetrics(prefill_time=prefill, inter_token=itl))  # type: ignore[arg-type]
+
+    read((10.0, 5), None)  # the baseline
+    assert es.step_s is None
+    read((16.0, 7), None)  # two prompts prefilled in 3 s each (a CPU engine): no decodes yet
+    assert es.step_s == pytest.approx(3.0)
+    read((16.0, 7), (0.0, 0))  # nothing new finished; the inter-token baseline
+    assert es.step_s == pytest.approx(3.0)
+    read((26.0, 8), (4.0, 2))  # a chunked 10 s prefill, and decode steps of 2 s: the step is 2 s
+    assert es.step_s == pytest.approx(2.5)
+    read((1.0, 1), (4.0, 2))  # the counters went back (a restart): new baselines, step kept
+    assert es.step_s == pytest.approx(2.5) and es.step_seen["prefill"] == (1.0, 1)
+
+    deadline = Retention.touch_deadline
+    fast = SimpleNamespace(settings=RetentionSettings(touch_deadline_s=1.0))
+    assert deadline(fast, SimpleNamespace(step_s=None)) == 1.0  # type: ignore[arg-type]
+    assert deadline(fast, SimpleNamespace(step_s=0.02)) == 1.0  # type: ignore[arg-type]
+    assert deadline(fast, SimpleNamespace(step_s=2.5)) == pytest.approx(7.5)  # type: ignore[arg-type]
+    off = SimpleNamespace(settings=RetentionSettings(touch_deadline_s=1.0, touch_deadline_steps=0))
+    assert deadline(off, SimpleNamespace(step_s=2.5)) == 1.0  # type: ignore[arg-type]

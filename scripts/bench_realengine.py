@@ -107,7 +107,7 @@ def engine(args: argparse.Namespace) -> Iterator[EngineInfo]:
 def compare_spec(args: argparse.Namespace, eng: EngineInfo) -> CompareSpec:
     return CompareSpec(
         out=args.out,
-        targets=TARGETS,
+        targets=tuple(args.targets.split(",")),
         engine_urls=(eng.url,),
         engine_events=(eng.events,),
         capacity_blocks=eng.num_blocks - 1,  # block 0 is vLLM's null block
@@ -328,6 +328,11 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16, help="model requests in flight")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help="comma-separated (loadgen.bench_compare's names, e.g. full+fixed-deadline)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "realengine")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "realengine_bench.json")
     ap.add_argument("--png", type=Path, default=ROOT / "results" / "realengine_bench.png")

@@ -198,6 +198,10 @@ class _TouchLate(Exception):
     """A touch the engine did not serve within its deadline (abandoned)."""
 
 
+# how often each proxy replica drops the cached block ids of sessions that are gone
+PRUNE_EVERY_S = 30.0
+
+
 def _key(tenant: str, sid: str) -> str:
     return f"{tenant}\x1f{sid}"
 
@@ -227,6 +231,7 @@ class Retention:
         self.client = client
         self.holder = uuid.uuid4().hex[:12]
         self._blocks: dict[tuple[str, str], tuple[float, tuple[int, ...]]] = {}
+        self._pruned_at = time.time()
         self._tasks: list[asyncio.Task[None]] = []
         self._touches: set[asyncio.Task[int]] = set()
         self._tokenize = asyncio.Semaphore(8)
@@ -429,6 +434,23 @@ class Retention:
         if self.anchors is not None:
             self.anchors.forget(tenant, sid)
 
+    async def prune(self, now: float) -> int:
+        """Forget the sessions the store no longer has (idle expiry, a free by an edit or by
+        another replica), at most every ``PRUNE_EVERY_S``; how many were forgotten. Without it
+        the block ids of every session ever learned here stay in memory, and ``shared_prefix``
+        scans them all."""
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return 0
+        self._pruned_at = now
+        keys, gone = list(self._blocks), 0
+        for start in range(0, len(keys), 1000):
+            chunk = keys[start : start + 1000]
+            for key, alive in zip(chunk, await self.store.exist(chunk), strict=True):
+                if not alive:
+                    self.forget(*key)
+                    gone += 1
+        return gone
+
     # --- the worker -----------------------------------------------------------------------------
     async def _run(self, es: EngineState) -> None:
         lease = f"engine:{es.engine.name}"
@@ -447,6 +469,7 @@ class Retention:
                     self.metrics.child(self.metrics.retention_tick, es.engine.name).observe(
                         time.perf_counter() - started
                     )
+                await self.prune(time.time())  # this replica's own cache: leader or not
             except StoreDown:
                 es.leader_token = 0
             except Exception:  # a bad tick must not end the worker

@@ -372,6 +372,17 @@ class SessionStore:
                         break
         return page, (pos if pos < len(ids) else None)
 
+    async def exist(self, sessions: list[tuple[str, str]]) -> list[bool]:
+        """Whether each (tenant, session id) still has its record (one round trip)."""
+
+        async def op() -> list[bool]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for tenant, sid in sessions:
+                    pipe.exists(self.key("s", tenant, sid))
+                return [bool(n) for n in await pipe.execute()]
+
+        return await self._call(op)
+
     async def get_many(self, tenant: str, ids: list[str]) -> list[Session | None]:
         async def op() -> list[Session | None]:
             async with self.redis.pipeline(transaction=False) as pipe:

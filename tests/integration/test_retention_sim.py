@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import aiohttp
 import pytest
 
+from proxy.retention import PRUNE_EVERY_S
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import (
     BLOCK,
@@ -516,6 +518,30 @@ async def test_the_touch_deadline_stretches_to_the_engines_steps(
         assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 1
         assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
         st.sim.engine.config = fast
+
+
+async def test_the_block_ids_of_sessions_the_store_dropped_are_forgotten(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Each replica's cache of learned block ids loses the sessions whose records are gone
+    (freed by an edit or by another replica, expired idle), so it does not grow with every
+    session ever seen, and evict no longer keeps chunks for a session that ended."""
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
+        for sid, seed in (("a", 1), ("b", 1), ("c", 2)):  # a and b recorded the same context
+            await st.complete(prompt(seed), {"session_id": sid})
+            await _known_blocks(st, sid)
+        retention, _ = _engine_state(st)
+        blocks = retention.known_blocks("default", "a")
+        assert retention.shared_prefix("default", "a", blocks) == 63  # b starts with them
+        store = retention.store
+        assert await store.free("default", "b") == ["b"]
+        await store.redis.delete(store.key("s", "default", "c"))  # as its idle expiry does
+        assert await retention.prune(time.time()) == 0  # not due yet
+        assert await retention.prune(time.time() + PRUNE_EVERY_S) == 2
+        assert retention.known_blocks("default", "b") == retention.known_blocks("default", "c")
+        assert retention.known_blocks("default", "c") == ()
+        assert retention.known_blocks("default", "a") == blocks  # alive: kept
+        assert retention.shared_prefix("default", "a", blocks) == 0
 
 
 async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, namespace: str) -> None:

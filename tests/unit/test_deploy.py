@@ -80,3 +80,36 @@ def test_chart_config_keys_are_kvkeeper_settings() -> None:
         },
     )
     assert settings.engines[0].events == values["engines"][0]["events"]
+
+
+def test_chart_lmcache_tier_per_engine() -> None:
+    """An engine's optional ``lmcache`` block: the schema checks it, and the keys the ConfigMap
+    renders it to are kvkeeper's ``OffloadTierSpec`` fields."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from proxy.settings import OffloadTierSpec
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    tier = {
+        "coordinatorUrl": "http://lmcache-0.lmcache:9000",
+        "serverUrl": "http://lmcache-0.lmcache:8080",
+        "modelName": "meta-llama/Llama-3.1-8B-Instruct",
+        "chunkSize": 256,
+    }
+    engine = {**values["engines"][0], "lmcache": tier}
+    jsonschema.validate({**values, "engines": [engine]}, schema)
+    for broken in ({k: v for k, v in tier.items() if k != "modelName"}, {**tier, "chunk": 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**values, "engines": [{**engine, "lmcache": broken}]}, schema)
+
+    template = (CHART / "templates" / "configmap.yaml").read_text()
+    block = template.split("lmcache:", 1)[1].split("{{- end }}", 1)[0]
+    rendered = dict(re.findall(r"^\s+(\w+): \{\{ \.(\w+)", block, re.M))
+    assert set(rendered) == set(OffloadTierSpec.model_fields)
+    settings = load_settings(
+        engines=[{"url": engine["url"], "lmcache": {k: tier[v] for k, v in rendered.items()}}],
+        retention={"tier_pin_share": values["retention"]["tierPinShare"]},
+    )
+    spec = settings.engines[0].lmcache
+    assert spec is not None and spec.model_name == tier["modelName"] and spec.chunk_size == 256
+    assert "tier_pin_share" in template

@@ -462,6 +462,9 @@ class Retention:
                     log.info(
                         "retention: %s now drives %s (fence %d)", self.holder, es.engine.name, token
                     )
+                    await self.tiers.adopt(es)
+                elif not token and es.leader_token:
+                    self.tiers.abandon(es)
                 es.leader_token = token
                 if token:
                     started = time.perf_counter()
@@ -470,7 +473,9 @@ class Retention:
                         time.perf_counter() - started
                     )
                 await self.prune(time.time())  # this replica's own cache: leader or not
-            except StoreDown:
+            except StoreDown:  # the lease may pass to another replica meanwhile
+                if es.leader_token:
+                    self.tiers.abandon(es)
                 es.leader_token = 0
             except Exception:  # a bad tick must not end the worker
                 log.exception("retention tick failed on %s", es.engine.name)

@@ -452,6 +452,30 @@ class SessionStore:
         ]
         return bool(await self._call(lambda: self.scripts.call("protect", keys, args)))
 
+    # --- the offload tier's pin ledger (proxy/tiers.py) ----------------------------------------
+    def tier_pins_key(self, engine: str) -> str:
+        return f"{self.ns}:tierpins:{engine}"
+
+    async def save_tier_pin(self, engine: str, member: str, payload: bytes) -> None:
+        """Record a pin kvkeeper holds on ``engine``'s tier (what the next leader must undo)."""
+        key = self.tier_pins_key(engine)
+        await self._call(lambda: self.redis.hset(key, member, payload))
+
+    async def drop_tier_pin(self, engine: str, member: str) -> None:
+        key = self.tier_pins_key(engine)
+        await self._call(lambda: self.redis.hdel(key, member))
+
+    async def tier_pins(self, engine: str) -> dict[str, bytes]:
+        """Every pin recorded on ``engine``'s tier, by member."""
+        key = self.tier_pins_key(engine)
+        raw = await self._call(lambda: self.redis.hgetall(key))
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): v
+            if isinstance(v, bytes)
+            else v.encode()
+            for k, v in raw.items()
+        }
+
     async def lease(self, name: str, holder: str, ttl_ms: int) -> int:
         """Acquire/renew the lease ``name``: the fencing token while held, else 0."""
         keys = [f"{self.ns}:lease:{name}", f"{self.ns}:fence:{name}"]

@@ -17,15 +17,22 @@ LMCache counts pins per chunk key, so each session version is pinned once and re
 session records a new context (its resume: resident again), when its protection ends, or when it
 falls out of the share; a new version pinned replaces the old one after it, so the chunks both
 cover never drop to zero. On the LMCache MP stack the coordinator's pins protect the L2 copy
-(L1 stays LRU), so a held session may load from L2. Pins outlive a crashed kvkeeper (LMCache
-has no pin TTL); :meth:`TierKeeper.release` on a clean stop undoes them. A tier that does not
-answer leaves sessions to the touches, as without a tier.
+(L1 stays LRU), so a held session may load from L2.
+
+LMCache pins have no TTL, so every pin is also recorded in Redis (``tierpins:<engine>``, the
+pinned tokens and version) until it is released: the replica that takes over an engine's
+retention lease (after a crash, or a lost lease) adopts them and releases them as its own, and
+a replica that loses the lease leaves them to it. :meth:`TierKeeper.release` on a clean stop
+undoes them. A tier that does not answer leaves sessions to the touches, as without a tier.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,6 +66,35 @@ class _Pin:
     salt: str | None
     chunks: int  # complete chunks of ``tokens``
     stored: int  # leading tokens the tier held right after pinning
+
+
+def _member(sk: SessionKey) -> str:
+    return f"{sk[0]}\x1f{sk[1]}"
+
+
+def encode_pin(pin: _Pin) -> bytes:
+    """A pin as the ledger stores it: a JSON header line, then the tokens as uint32."""
+    head = {"version": pin.version, "salt": pin.salt, "chunks": pin.chunks, "stored": pin.stored}
+    return json.dumps(head).encode() + b"\n" + array("I", pin.tokens).tobytes()
+
+
+def decode_pin(raw: bytes) -> _Pin | None:
+    """The pin ``encode_pin`` wrote; None for a record it cannot read."""
+    head, _, body = raw.partition(b"\n")
+    try:
+        meta = json.loads(head)
+        tokens = array("I")
+        tokens.frombytes(body[: len(body) - len(body) % tokens.itemsize])
+        salt = meta["salt"]
+        return _Pin(
+            float(meta["version"]),
+            tokens.tolist(),
+            salt if isinstance(salt, str) else None,
+            int(meta["chunks"]),
+            int(meta["stored"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass(slots=True)
@@ -98,9 +134,13 @@ class TierKeeper:
     ) -> set[SessionKey]:
         """Pin what fits, unpin what left; the sessions the tier now holds (no touches)."""
         tier = es.tier
-        if tier is None or self.settings.tier_pin_share <= 0:
+        if tier is None:
             return set()
         st = self._state.setdefault(es.engine.name, _TierState())
+        if self.settings.tier_pin_share <= 0:  # off; pins adopted from a ledger still go
+            for sk in list(st.pins):
+                await self._release_pin(es, tier, sk, st.pins.pop(sk))
+            return set()
         by_key = {(s.tenant, s.session_id): s for s in sessions}
         capacity = await self._capacity(tier, st, now)
         if capacity is not None:
@@ -127,7 +167,7 @@ class TierKeeper:
             want = [names[n] for n in wanted]
             keep = set(want)
             for sk in [sk for sk in st.pins if sk not in keep]:
-                await self._unpin(tier, st.pins.pop(sk))
+                await self._release_pin(es, tier, sk, st.pins.pop(sk))
             await self._pin_wanted(es, tier, st, [by_key[sk] for sk in want])
         self._report(es, st)
         return {
@@ -180,10 +220,41 @@ class TierKeeper:
         st = self._state.pop(es.engine.name, None)
         if st is None or es.tier is None:
             return
-        for pin in st.pins.values():
-            await self._unpin(es.tier, pin)
+        for sk, pin in st.pins.items():
+            await self._release_pin(es, es.tier, sk, pin)
         st.pins.clear()
         self._report(es, st)
+
+    async def adopt(self, es: EngineState) -> int:
+        """This replica now drives ``es``: take over the pins the ledger records for it (left
+        by a replica that crashed or lost the lease); how many."""
+        if es.tier is None:
+            return 0
+        try:
+            ledger = await self.store.tier_pins(es.engine.name)
+        except StoreDown:
+            return 0
+        st = self._state.setdefault(es.engine.name, _TierState())
+        adopted = 0
+        for member, raw in ledger.items():
+            tenant, _, sid = member.partition("\x1f")
+            pin = decode_pin(raw)
+            if pin is None or (tenant, sid) in st.pins:
+                continue
+            st.pins[(tenant, sid)] = pin
+            adopted += 1
+        if adopted:
+            log.info("tier pins: adopted %d sessions' pins on %s", adopted, es.engine.name)
+        self._report(es, st)
+        return adopted
+
+    def abandon(self, es: EngineState) -> None:
+        """This replica no longer drives ``es``: forget its pins without undoing them (the
+        ledger hands them to the replica that does)."""
+        st = self._state.pop(es.engine.name, None)
+        if st is not None:
+            st.pins.clear()
+            self._report(es, st)
 
     def pinned(self, engine: str) -> dict[str, int]:
         """``{"sessions": n, "chunks": m}`` pinned on ``engine``'s tier (views)."""
@@ -221,6 +292,7 @@ class TierKeeper:
             if pin is None:
                 continue
             st.pins[sk] = pin
+            await self._record(es, sk, pin)
             if old is not None:  # after the new pin: the chunks both cover never drop to zero
                 await self._unpin(tier, old)
             else:
@@ -281,6 +353,20 @@ class TierKeeper:
         except _TIER_ERRORS as exc:
             log.warning("tier lookup of %s failed: %s", session.session_id, exc)
             return False
+
+    async def _record(self, es: EngineState, sk: SessionKey, pin: _Pin) -> None:
+        """Write the pin to the ledger (replacing the session's previous version)."""
+        try:
+            await self.store.save_tier_pin(es.engine.name, _member(sk), encode_pin(pin))
+        except StoreDown:  # held here all the same; only a crash before the next write loses it
+            log.warning("tier pin of %s not recorded: Redis unavailable", sk[1])
+
+    async def _release_pin(
+        self, es: EngineState, tier: LMCacheAdapter, sk: SessionKey, pin: _Pin
+    ) -> None:
+        await self._unpin(tier, pin)
+        with contextlib.suppress(StoreDown):
+            await self.store.drop_tier_pin(es.engine.name, _member(sk))
 
     @staticmethod
     async def _unpin(tier: LMCacheAdapter, pin: _Pin) -> None:

@@ -131,3 +131,48 @@ async def test_no_touches_for_sessions_a_large_tier_keeps(
             assert touches == 0
         else:
             assert touches >= 1
+
+
+async def test_pins_a_crashed_replica_left_are_adopted_and_released_by_the_next(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """LMCache pins have no TTL. The replica driving retention crashes holding a pin; the one
+    that takes over its lease finds the pin in the Redis ledger and releases it when the
+    session no longer needs it, as if it had pinned it itself."""
+    async with sim_stack(
+        redis_server.url, namespace, replicas=2, lease_ttl_s=1.0, tier_pin_share=0.5, **RIG
+    ) as st:
+        tier = _tier(st)
+
+        def pins(n: int) -> Any:
+            async def check() -> bool:
+                return len(tier.pins) == n and all(c == 1 for c in tier.pins.values())
+
+            return check
+
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": TTL_HINT})
+        await _flood(st, n=4)
+        assert await wait_for(pins(CHUNKS)), tier.pins
+        retentions = [st.runtime(i).retention for i in range(2)]
+        states = [next(iter(r.engines.values())) for r in retentions]
+        name = states[0].engine.name
+        leader = next(i for i, es in enumerate(states) if es.leader_token)
+        crashed, survivor = retentions[leader], retentions[1 - leader]
+        assert crashed.tiers.pinned(name) == {"sessions": 1, "chunks": CHUNKS}
+        assert len(await crashed.store.tier_pins(name)) == 1  # the ledger
+        # the crash: its workers end, its memory is gone, nothing is released
+        for task in crashed._tasks:
+            task.cancel()
+        await asyncio.wait(crashed._tasks, timeout=5)
+        crashed.tiers._state.clear()
+
+        async def took_over() -> bool:
+            return bool(states[1 - leader].leader_token)
+
+        assert await wait_for(took_over), "the other replica never took the lease"
+        assert survivor.tiers.pinned(name) == {"sessions": 1, "chunks": CHUNKS}
+        assert len(tier.pins) == CHUNKS  # adopted, not pinned a second time
+        # the session resumes: resident again, its pinned version is released by the survivor
+        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 1}}, i=1 - leader)
+        assert await wait_for(pins(0), within=15), tier.pins
+        assert await survivor.store.tier_pins(name) == {}

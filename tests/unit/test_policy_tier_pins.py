@@ -36,3 +36,14 @@ def test_ties_keep_what_is_pinned_then_prefer_larger() -> None:
 
 def test_sessions_without_a_complete_chunk_are_never_pinned() -> None:
     assert plan_pins([PinCandidate("tiny", 0, ttl_left_s=1)], 100, 1.0) == []
+
+
+def test_the_pin_ledger_record_round_trips() -> None:
+    from proxy.tiers import _Pin, decode_pin, encode_pin
+
+    pin = _Pin(1764650000.25, [0, 1, 2**32 - 1, 49_000], "tenant-salt", 3, 768)
+    assert decode_pin(encode_pin(pin)) == pin
+    unsalted = _Pin(1.0, list(range(600)), None, 2, 0)
+    assert decode_pin(encode_pin(unsalted)) == unsalted
+    assert decode_pin(b"not json\n\x00\x00") is None
+    assert decode_pin(b'{"version": 1}\n') is None  # fields missing

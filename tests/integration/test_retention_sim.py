@@ -455,12 +455,8 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
     # the deadline leaves the touch time to reach the engine (a busy machine included), and the
     # engine, 100,000x slower than the profile, cannot serve it in that time (a step takes ~8 s)
     async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.25) as st:
-        await st.complete(prompt(1), {"session_id": "slow", "cache_control": {"ttl": 300}})
-        retention, es = _engine_state(st)
-        await st.runtime().settle()
-        session = await retention.store.get("default", "slow")
-        assert session is not None
-        await _known_blocks(st, "slow")
+        retention, es, session, blocks = await _protected(st, "slow")
+        assert len(blocks) == 63
         fast = st.sim.engine.config
         st.sim.engine.config = replace(fast, speed=fast.speed / 100_000)
         await retention._touch(es, session)
@@ -483,12 +479,8 @@ async def test_the_touch_deadline_stretches_to_the_engines_steps(
     step length is unknown, served once kvkeeper has read it from the engine's prefill-time
     histogram (the deadline becomes ``touch_deadline_steps`` steps)."""
     async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.2) as st:
-        await st.complete(prompt(1), {"session_id": "s", "cache_control": {"ttl": 300}})
-        retention, es = _engine_state(st)
-        await st.runtime().settle()
-        session = await retention.store.get("default", "s")
-        assert session is not None
-        await _known_blocks(st, "s")
+        retention, es, session, blocks = await _protected(st, "s")
+        assert len(blocks) == 63
         es.step_s, es.step_seen = None, {}  # the step length not learned yet
         await retention.fresh_load(es, max_age_s=0)  # (the histograms' baseline)
         assert retention.touch_deadline(es) == 0.2

@@ -34,6 +34,18 @@ def _tier(st: Any) -> Any:
     return tier
 
 
+def _pinned_once(tier: Any) -> Any:
+    """``pins(n)``: a check that the tier holds n pinned chunks, each pinned once."""
+
+    def pins(n: int) -> Any:
+        async def check() -> bool:
+            return len(tier.pins) == n and all(c == 1 for c in tier.pins.values())
+
+        return check
+
+    return pins
+
+
 @pytest.mark.parametrize("share", [0.5, 0.0])
 async def test_a_session_the_gpu_loses_resumes_from_its_pinned_chunks(
     redis_server: RedisServer, namespace: str, share: float
@@ -60,13 +72,7 @@ async def test_pins_end_on_resume_and_with_the_protection(
 ) -> None:
     async with sim_stack(redis_server.url, namespace, tier_pin_share=0.5, **RIG) as st:
         tier = _tier(st)
-
-        def pins(n: int) -> Any:
-            async def check() -> bool:
-                return len(tier.pins) == n and all(c == 1 for c in tier.pins.values())
-
-            return check
-
+        pins = _pinned_once(tier)
         await st.complete(prompt(1), {"session_id": "w", "cache_control": TTL_HINT})
         await _flood(st, n=4)
         assert await wait_for(pins(CHUNKS)), tier.pins
@@ -143,13 +149,7 @@ async def test_pins_a_crashed_replica_left_are_adopted_and_released_by_the_next(
         redis_server.url, namespace, replicas=2, lease_ttl_s=1.0, tier_pin_share=0.5, **RIG
     ) as st:
         tier = _tier(st)
-
-        def pins(n: int) -> Any:
-            async def check() -> bool:
-                return len(tier.pins) == n and all(c == 1 for c in tier.pins.values())
-
-            return check
-
+        pins = _pinned_once(tier)
         await st.complete(prompt(1), {"session_id": "w", "cache_control": TTL_HINT})
         await _flood(st, n=4)
         assert await wait_for(pins(CHUNKS)), tier.pins

@@ -72,6 +72,15 @@ class TouchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class HistogramReading:
+    """One reading of a cumulative Prometheus histogram, summed across label sets."""
+
+    sum: float
+    count: float
+    buckets: tuple[tuple[float, float], ...] = ()  # (le, cumulative count), +Inf last
+
+
+@dataclass(frozen=True, slots=True)
 class EngineMetrics:
     """One scrape of the engine's Prometheus metrics (None when not exposed)."""
 
@@ -82,11 +91,10 @@ class EngineMetrics:
     prefix_cache_hits: float | None = None
     external_prefix_cache_hits: float | None = None
     preemptions: float | None = None
-    # (sum of seconds, count) of two histograms: a request's time from its first scheduling to
-    # its first token, and the time between output tokens; their means over a window give the
-    # length of the engine's steps
-    prefill_time: tuple[float, float] | None = None
-    inter_token: tuple[float, float] | None = None
+    # two latency histograms that show the length of the engine's steps (policy.steps): a
+    # request's time from its first scheduling to its first token, and between output tokens
+    prefill_time: HistogramReading | None = None
+    inter_token: HistogramReading | None = None
     cache_config: CacheConfig | None = None
     raw: dict[str, float] = field(default_factory=dict)
 

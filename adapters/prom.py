@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from adapters.base import CacheConfig, EngineMetrics
+from adapters.base import CacheConfig, EngineMetrics, HistogramReading
 
 # name{labels} value [timestamp]; labels are parsed separately because values may hold '}'.
 _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -110,13 +110,21 @@ def total(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
     return sum(found) if found else None
 
 
-def histogram(samples: Iterable[Sample], *names: str) -> tuple[float, float] | None:
-    """(sum, count) of the first of ``names`` (one histogram under its successive names) that
-    the exposition has, summed across label sets; None when none is there."""
+def histogram(samples: Iterable[Sample], *names: str) -> HistogramReading | None:
+    """The first of ``names`` (one histogram under its successive names) that the exposition
+    has, its sum, count and buckets summed across label sets; None when none is there."""
     for name in names:
         sums, counts = total(samples, name + "_sum"), total(samples, name + "_count")
-        if sums is not None and counts is not None:
-            return sums, counts
+        if sums is None or counts is None:
+            continue
+        buckets: dict[float, float] = {}
+        for s in find(samples, name + "_bucket"):
+            try:
+                le = float(s.labels.get("le", ""))
+            except ValueError:
+                continue
+            buckets[le] = buckets.get(le, 0.0) + s.value
+        return HistogramReading(sums, counts, tuple(sorted(buckets.items())))
     return None
 
 

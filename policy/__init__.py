@@ -3,7 +3,8 @@
 Modules: ``horizon`` (LRU horizon estimate), ``keepalive`` (touch schedule), ``budget`` (soft-TTL
 budget, pressure overrides), ``tree`` (parent/child rules), ``routing`` (engine choice),
 ``overhead`` (what touches and warm-ups may recompute), ``predictor`` (next-agent Markov
-model), ``gaps`` (time-to-resume model), ``costmodel`` (keep / offload / drop, warm-ups). Time is
+model), ``gaps`` (time-to-resume model), ``costmodel`` (keep / offload / drop, warm-ups), ``steps``
+(the engine's step length from a latency histogram). Time is
 always passed in as ``now``; nothing here reads a clock.
 """
 
@@ -62,6 +63,7 @@ from policy.routing import (
     route,
     score_engine,
 )
+from policy.steps import step_seconds, window_counts
 from policy.tier_pins import PinCandidate, pin_budget, plan_pins
 from policy.tree import (
     TreeNode,
@@ -128,10 +130,12 @@ __all__ = [
     "route",
     "score_engine",
     "session_value",
+    "step_seconds",
     "touch_cost_tokens",
     "touch_extent",
     "touch_interval",
     "warm_gain_s",
     "warm_work_s",
     "weighted_quantile",
+    "window_counts",
 ]

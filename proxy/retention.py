@@ -57,7 +57,9 @@ from policy import (
     ProtectedSession,
     plan_budget,
     plan_touches,
+    step_seconds,
     touch_extent,
+    window_counts,
 )
 from policy.anchors import common_prefix
 from policy.horizon import RateMeter, fill_time_horizon
@@ -177,9 +179,9 @@ class EngineState:
     computed_rate: float | None = None
     touch_latency_s: float = 0.05  # running mean of how long touches take to be served
     # the length of the engine's steps (smoothed over scrapes; None until seen), from the
-    # (sum, count) of its prefill-time and inter-token histograms at the last scrape
+    # buckets of its inter-token and prefill-time histograms at the last scrape
     step_s: float | None = None
-    step_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
+    step_seen: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     trimmed_blocks: int = 0  # blocks touches stopped short of (the front would take them first)
 
     def __post_init__(self) -> None:
@@ -632,20 +634,18 @@ class Retention:
 
     @staticmethod
     def _steps(es: EngineState, m: EngineMetrics) -> None:
-        """Update ``es.step_s`` from the requests the engine finished since the last scrape.
-        Between two output tokens a request waits one step; from its first scheduling to its
-        first token, one step or, for a prompt prefilled in chunks, several. The smaller of the
-        two means is the closer to one step."""
-        means: list[float] = []
-        for name, hist in (("prefill", m.prefill_time), ("inter_token", m.inter_token)):
+        """Update ``es.step_s`` from the latencies the engine observed since the last scrape
+        (:mod:`policy.steps`): the time between output tokens where requests decoded, else
+        (one-token requests only) the time from scheduling to first token."""
+        step: float | None = None
+        for name, hist in (("inter_token", m.inter_token), ("prefill", m.prefill_time)):
             if hist is None:
                 continue
             seen = es.step_seen.get(name)
-            es.step_seen[name] = hist
-            if seen is not None and hist[1] > seen[1] and hist[0] >= seen[0]:
-                means.append((hist[0] - seen[0]) / (hist[1] - seen[1]))
-        if means:
-            step = min(means)
+            es.step_seen[name] = hist.buckets
+            if step is None and seen is not None:
+                step = step_seconds(window_counts(seen, hist.buckets))
+        if step is not None:
             es.step_s = step if es.step_s is None else 0.5 * es.step_s + 0.5 * step
 
     def touch_deadline(self, es: EngineState) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from adapters.vllm import (
     VLLMAdapter,
     discover_event_endpoint,
 )
+from policy import window_counts
 from proxy.engine_cli import free_port
 from tests.realengine.conftest import VLLMEngine
 
@@ -193,9 +195,12 @@ async def test_metrics_and_cache_config_discovery(adapter: VLLMAdapter) -> None:
     assert after.running == 0
     # the two requests' prefill times (the touch deadline's step length): scheduling to 1st token
     assert before.prefill_time is not None and after.prefill_time is not None
-    assert after.prefill_time[1] - before.prefill_time[1] == 2
-    assert 0 < after.prefill_time[0] - before.prefill_time[0] < first.seconds + second.seconds
-    assert after.inter_token is not None  # exposed (one-token requests add no samples)
+    assert after.prefill_time.count - before.prefill_time.count == 2
+    took = after.prefill_time.sum - before.prefill_time.sum
+    assert 0 < took < first.seconds + second.seconds
+    window = window_counts(before.prefill_time.buckets, after.prefill_time.buckets)
+    assert sum(n for _, _, n in window) == 2 and after.prefill_time.buckets[-1][0] == math.inf
+    assert after.inter_token is not None and after.inter_token.buckets  # one-token: no samples
 
 
 async def test_event_endpoint_discovery(

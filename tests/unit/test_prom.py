@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from adapters.base import CacheConfig
+from adapters.base import CacheConfig, HistogramReading
 from adapters.prom import (
     PromParseError,
     cache_config_from,
@@ -36,6 +36,7 @@ vllm:external_prefix_cache_hits_total{engine="0",model_name="smol"} 0.0
 vllm:num_preemptions_total{engine="0",model_name="smol"} 2.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 12.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="smol"} 9.5
+vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3",model_name="smol"} 4.0
 vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="smol"} 12.0
 vllm:request_prefill_time_seconds_count{engine="0",model_name="smol"} 12.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="smol"} 7.25
@@ -53,7 +54,8 @@ def test_vllm_page_to_engine_metrics() -> None:
     assert (m.prefix_cache_queries, m.prefix_cache_hits) == (25088.0, 6176.0)
     assert (m.external_prefix_cache_hits, m.preemptions) == (0.0, 2.0)
     assert m.cache_config == CacheConfig(32, 200, "sha256_cbor", "7")
-    assert m.prefill_time == (7.25, 12.0) and m.inter_token == (2.0, 40.0)  # (sum, count)
+    assert m.prefill_time == HistogramReading(7.25, 12.0, ((0.3, 4.0), (math.inf, 12.0)))
+    assert m.inter_token == HistogramReading(2.0, 40.0, ())  # no buckets on this page
     assert m.raw["vllm:prefix_cache_queries_total"] == 25088.0
     assert "vllm:num_requests_waiting_by_reason" not in m.raw  # labelled beyond engine/model
 
@@ -63,7 +65,7 @@ def test_histograms_under_their_older_names_or_absent() -> None:
         "vllm:time_per_output_token_seconds_sum 3.0\nvllm:time_per_output_token_seconds_count 6\n"
     )
     m = engine_metrics_from(parse_text(older))
-    assert m.inter_token == (3.0, 6.0) and m.prefill_time is None
+    assert m.inter_token == HistogramReading(3.0, 6.0) and m.prefill_time is None
     half = "vllm:request_prefill_time_seconds_sum 3.0\n"  # a sum without its count: unusable
     assert engine_metrics_from(parse_text(half)).prefill_time is None
 

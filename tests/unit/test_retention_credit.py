@@ -68,27 +68,33 @@ def test_computed_token_rate_is_what_neither_cache_nor_tier_served() -> None:
     assert es.computed_rate == pytest.approx(500) and es.computed_seen == (16.0, 100)
 
 
-def test_step_length_from_the_prefill_and_inter_token_histograms() -> None:
-    """``step_s``: the smaller of the windowed mean prefill time and inter-token latency, smoothed;
-    the touch deadline is ``touch_deadline_steps`` of it where that exceeds ``touch_deadline_s``."""
-    from adapters.base import EngineMetrics
+def test_step_length_from_the_inter_token_or_prefill_histogram() -> None:
+    """``step_s``: from the inter-token histogram where requests decoded since the last scrape,
+    else from the prefill-time one; smoothed. The touch deadline is ``touch_deadline_steps`` of
+    it where that exceeds ``touch_deadline_s``."""
+    from adapters.base import EngineMetrics, HistogramReading
     from proxy.settings import RetentionSettings
 
     es = SimpleNamespace(step_s=None, step_seen={})
+    inf = float("inf")
 
-    def read(prefill: tuple[float, float] | None, itl: tuple[float, float] | None) -> None:
+    def hist(*cum: float) -> HistogramReading:  # buckets le 1, 2, 4, +Inf
+        return HistogramReading(0.0, cum[-1], tuple(zip((1.0, 2.0, 4.0, inf), cum, strict=True)))
+
+    def read(prefill: HistogramReading | None, itl: HistogramReading | None) -> None:
         Retention._steps(es, EngineMetrics(prefill_time=prefill, inter_token=itl))  # type: ignore[arg-type]
 
-    read((10.0, 5), None)  # the baseline
+    read(hist(0, 0, 0, 0), None)  # the baseline
     assert es.step_s is None
-    read((16.0, 7), None)  # two prompts prefilled in 3 s each (a CPU engine): no decodes yet
-    assert es.step_s == pytest.approx(3.0)
-    read((16.0, 7), (0.0, 0))  # nothing new finished; the inter-token baseline
-    assert es.step_s == pytest.approx(3.0)
-    read((26.0, 8), (4.0, 2))  # a chunked 10 s prefill, and decode steps of 2 s: the step is 2 s
-    assert es.step_s == pytest.approx(2.5)
-    read((1.0, 1), (4.0, 2))  # the counters went back (a restart): new baselines, step kept
-    assert es.step_s == pytest.approx(2.5) and es.step_seen["prefill"] == (1.0, 1)
+    read(hist(0, 2, 2, 2), None)  # two one-token requests prefilled in 1-2 s each
+    assert es.step_s == pytest.approx(1.9)  # 90% of the time, interpolated in (1, 2]
+    read(hist(0, 2, 2, 2), hist(0, 0, 0, 0))  # nothing new; the inter-token baseline
+    assert es.step_s == pytest.approx(1.9)
+    # decodes now: the inter-token latencies decide (a prefill in chunks over 2-4 s is ignored)
+    read(hist(0, 2, 3, 3), hist(4, 4, 4, 4))
+    assert es.step_s == pytest.approx(0.5 * 1.9 + 0.5 * 0.9)
+    read(hist(0, 0, 0, 0), hist(4, 4, 4, 4))  # went back (a restart): nothing learned, kept
+    assert es.step_s == pytest.approx(1.4) and es.step_seen["prefill"][-1] == (inf, 0)
 
     deadline = Retention.touch_deadline
     fast = SimpleNamespace(settings=RetentionSettings(touch_deadline_s=1.0))

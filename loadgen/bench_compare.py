@@ -18,8 +18,8 @@ Targets (``--targets``, default: every one that applies):
   tier pins (``tier_pin_share`` 0.5, :mod:`proxy.tiers`: protected sessions the GPU is losing
   pinned in the tier); ``full+tiercover``: ``full`` with ``tier_skip_touches`` (no touches for
   protected sessions the tier will still hold when their protection ends);
-* ``full+fixed-deadline`` (only when named): ``full`` with the touch deadline fixed at
-  ``touch_deadline_s`` (``touch_deadline_steps`` 0), not stretched to the engine's step length;
+* ``full+step-deadline`` (only when named): ``full`` with the touch deadline stretched to three
+  of the engine's steps where they outlast ``touch_deadline_s`` (``touch_deadline_steps`` 3);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
@@ -91,7 +91,7 @@ HINTED: dict[str, HintMode] = {
     "full+priority": "full",
     "full+pins": "full",
     "full+tiercover": "full",
-    "full+fixed-deadline": "full",
+    "full+step-deadline": "full",
 }
 # kvkeeper settings a target adds to the run's own (``--retention``)
 TARGET_RETENTION: dict[str, dict[str, Any]] = {
@@ -101,13 +101,13 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
     "full+priority": {"admission_priority": True},
     "full+pins": {"tier_pin_share": 0.5},
     "full+tiercover": {"tier_skip_touches": True},
-    "full+fixed-deadline": {"touch_deadline_steps": 0},
+    "full+step-deadline": {"touch_deadline_steps": 3},
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
 ON_REQUEST = (
     frozenset(
-        {"full+unbounded", "engine-notier", "full+pins", "full+tiercover", "full+fixed-deadline"}
+        {"full+unbounded", "engine-notier", "full+pins", "full+tiercover", "full+step-deadline"}
     )
     | PRIORITY_TARGETS
 )
@@ -125,7 +125,7 @@ TARGETS = (
     "full+priority",
     "full+pins",
     "full+tiercover",
-    "full+fixed-deadline",
+    "full+step-deadline",
     "round-robin",
     "vllm-router",
 )

@@ -331,7 +331,7 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         default=",".join(TARGETS),
-        help="comma-separated (loadgen.bench_compare's names, e.g. full+fixed-deadline)",
+        help="comma-separated (loadgen.bench_compare's names, e.g. full+step-deadline)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "realengine")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "realengine_bench.json")

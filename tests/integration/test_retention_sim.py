@@ -478,7 +478,9 @@ async def test_the_touch_deadline_stretches_to_the_engines_steps(
     0.5 s, as on a CPU engine), a touch sent during a step waits for it: abandoned while the
     step length is unknown, served once kvkeeper has read it from the engine's prefill-time
     histogram (the deadline becomes ``touch_deadline_steps`` steps)."""
-    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.2) as st:
+    async with sim_stack(
+        redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.2, touch_deadline_steps=3
+    ) as st:
         retention, es, session, blocks = await _protected(st, "s")
         assert len(blocks) == 63
         es.step_s, es.step_seen = None, {}  # the step length not learned yet

@@ -90,7 +90,12 @@ async def run_variant(client: Client, ttl: float | None) -> dict[str, float]:
 async def test_ttl_session_survives_a_flood_larger_than_the_pool(
     vllm_engine: VLLMEngine, redis_server: RedisServer, namespace: str
 ) -> None:
-    async with real_proxy(vllm_engine, redis_server.url, namespace) as client:
+    # the CPU engine prefills each flood prompt in one ~2 s step; a touch that arrives during one
+    # waits for it, so the deadline is three steps (with the default 1 s, 2-8 of 6-12 touches
+    # were abandoned per run, and once too many of them for the session to survive)
+    async with real_proxy(
+        vllm_engine, redis_server.url, namespace, touch_deadline_steps=3
+    ) as client:
         got = await run_variant(client, ttl=600)
     log.info("protected: %s", got)
     assert got["flood_tokens"] == FLOOD * FLOOD_TOKENS, got

@@ -97,7 +97,8 @@ def test_step_length_from_the_inter_token_or_prefill_histogram() -> None:
     assert es.step_s == pytest.approx(1.4) and es.step_seen["prefill"][-1] == (inf, 0)
 
     deadline = Retention.touch_deadline
-    fast = SimpleNamespace(settings=RetentionSettings(touch_deadline_s=1.0))
+    assert RetentionSettings().touch_deadline_steps == 0  # off by default
+    fast = SimpleNamespace(settings=RetentionSettings(touch_deadline_s=1.0, touch_deadline_steps=3))
     assert deadline(fast, SimpleNamespace(step_s=None)) == 1.0  # type: ignore[arg-type]
     assert deadline(fast, SimpleNamespace(step_s=0.02)) == 1.0  # type: ignore[arg-type]
     assert deadline(fast, SimpleNamespace(step_s=2.5)) == pytest.approx(7.5)  # type: ignore[arg-type]

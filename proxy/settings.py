@@ -105,7 +105,7 @@ class RetentionSettings(BaseModel):
     max_concurrent_touches: int = Field(default=4, gt=0)
     # a touch not served by then is waiting in the engine's queue: abandoned (outcome "late");
     # touch_deadline_steps > 0: this many of the engine's steps where they are longer (off by
-    # default: on the real CPU engine's swarm bench it cost 21-30% mean TTFT, no hit-rate gain)
+    # default: the real CPU engine's swarm bench could not tell it from the fixed deadline)
     touch_deadline_s: float = Field(default=1.0, gt=0)
     touch_deadline_steps: float = Field(default=0.0, ge=0)
     budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks

@@ -3,9 +3,9 @@
 Modules: ``horizon`` (LRU horizon estimate), ``keepalive`` (touch schedule), ``budget`` (soft-TTL
 budget, pressure overrides), ``tree`` (parent/child rules), ``routing`` (engine choice),
 ``overhead`` (what touches and warm-ups may recompute), ``predictor`` (next-agent Markov
-model), ``gaps`` (time-to-resume model), ``costmodel`` (keep / offload / drop, warm-ups), ``steps``
-(the engine's step length from a latency histogram). Time is
-always passed in as ``now``; nothing here reads a clock.
+model), ``gaps`` (time-to-resume model), ``costmodel`` (keep / offload / drop, warm-ups),
+``steps`` (the engine's step length from a latency histogram), ``tier_pins`` (what to pin in
+the offload tier). Time is always passed in as ``now``; nothing here reads a clock.
 """
 
 from policy.budget import (

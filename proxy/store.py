@@ -456,25 +456,24 @@ class SessionStore:
     def tier_pins_key(self, engine: str) -> str:
         return f"{self.ns}:tierpins:{engine}"
 
-    async def save_tier_pin(self, engine: str, member: str, payload: bytes) -> None:
+    async def save_tier_pin(self, engine: str, tenant: str, sid: str, payload: bytes) -> None:
         """Record a pin kvkeeper holds on ``engine``'s tier (what the next leader must undo)."""
-        key = self.tier_pins_key(engine)
+        key, member = self.tier_pins_key(engine), self._member(tenant, sid)
         await self._call(lambda: self.redis.hset(key, member, payload))
 
-    async def drop_tier_pin(self, engine: str, member: str) -> None:
-        key = self.tier_pins_key(engine)
+    async def drop_tier_pin(self, engine: str, tenant: str, sid: str) -> None:
+        key, member = self.tier_pins_key(engine), self._member(tenant, sid)
         await self._call(lambda: self.redis.hdel(key, member))
 
-    async def tier_pins(self, engine: str) -> dict[str, bytes]:
-        """Every pin recorded on ``engine``'s tier, by member."""
+    async def tier_pins(self, engine: str) -> dict[tuple[str, str], bytes]:
+        """Every pin recorded on ``engine``'s tier, by (tenant, session id)."""
         key = self.tier_pins_key(engine)
         raw = await self._call(lambda: self.redis.hgetall(key))
-        return {
-            (k.decode() if isinstance(k, bytes) else str(k)): v
-            if isinstance(v, bytes)
-            else v.encode()
-            for k, v in raw.items()
-        }
+        out: dict[tuple[str, str], bytes] = {}
+        for member, payload in raw.items():  # bytes: the client does not decode responses
+            tenant, _, sid = _text(member).partition(SEP)
+            out[(tenant, sid)] = payload if isinstance(payload, bytes) else payload.encode()
+        return out
 
     async def lease(self, name: str, holder: str, ttl_ms: int) -> int:
         """Acquire/renew the lease ``name``: the fencing token while held, else 0."""

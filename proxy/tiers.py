@@ -68,10 +68,6 @@ class _Pin:
     stored: int  # leading tokens the tier held right after pinning
 
 
-def _member(sk: SessionKey) -> str:
-    return f"{sk[0]}\x1f{sk[1]}"
-
-
 def encode_pin(pin: _Pin) -> bytes:
     """A pin as the ledger stores it: a JSON header line, then the tokens as uint32."""
     head = {"version": pin.version, "salt": pin.salt, "chunks": pin.chunks, "stored": pin.stored}
@@ -236,12 +232,11 @@ class TierKeeper:
             return 0
         st = self._state.setdefault(es.engine.name, _TierState())
         adopted = 0
-        for member, raw in ledger.items():
-            tenant, _, sid = member.partition("\x1f")
+        for sk, raw in ledger.items():
             pin = decode_pin(raw)
-            if pin is None or (tenant, sid) in st.pins:
+            if pin is None or sk in st.pins:
                 continue
-            st.pins[(tenant, sid)] = pin
+            st.pins[sk] = pin
             adopted += 1
         if adopted:
             log.info("tier pins: adopted %d sessions' pins on %s", adopted, es.engine.name)
@@ -357,7 +352,7 @@ class TierKeeper:
     async def _record(self, es: EngineState, sk: SessionKey, pin: _Pin) -> None:
         """Write the pin to the ledger (replacing the session's previous version)."""
         try:
-            await self.store.save_tier_pin(es.engine.name, _member(sk), encode_pin(pin))
+            await self.store.save_tier_pin(es.engine.name, *sk, encode_pin(pin))
         except StoreDown:  # held here all the same; only a crash before the next write loses it
             log.warning("tier pin of %s not recorded: Redis unavailable", sk[1])
 
@@ -366,7 +361,7 @@ class TierKeeper:
     ) -> None:
         await self._unpin(tier, pin)
         with contextlib.suppress(StoreDown):
-            await self.store.drop_tier_pin(es.engine.name, _member(sk))
+            await self.store.drop_tier_pin(es.engine.name, *sk)
 
     @staticmethod
     async def _unpin(tier: LMCacheAdapter, pin: _Pin) -> None:

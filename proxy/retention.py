@@ -200,8 +200,14 @@ class _TouchLate(Exception):
     """A touch the engine did not serve within its deadline (abandoned)."""
 
 
+class _LearnFailed(Exception):
+    """The engine did not tokenize a session's context (busy, down, a bad answer): transient."""
+
+
 # how often each proxy replica drops the cached block ids of sessions that are gone
 PRUNE_EVERY_S = 30.0
+# how long after a failed tokenize a session's block ids are asked for again
+LEARN_RETRY_S = 2.0
 
 
 def _key(tenant: str, sid: str) -> str:
@@ -233,6 +239,8 @@ class Retention:
         self.client = client
         self.holder = uuid.uuid4().hex[:12]
         self._blocks: dict[tuple[str, str], tuple[float, tuple[int, ...]]] = {}
+        # sessions whose block ids the engine failed to give: when to ask again (monotonic)
+        self._learn_retry: dict[tuple[str, str], float] = {}
         self._pruned_at = time.time()
         self._tasks: list[asyncio.Task[None]] = []
         self._touches: set[asyncio.Task[int]] = set()
@@ -350,9 +358,10 @@ class Retention:
             if exc.status in (404, 405):  # no /tokenize on this engine: stop asking
                 es.no_tokenize = True
                 log.warning("%s serves no /tokenize: block ids unknown", es.engine.name)
-            return None
-        except (AdapterError, KeyError, ValueError, TypeError):
-            return None
+                return None
+            raise _LearnFailed(str(exc)) from exc
+        except (AdapterError, KeyError, ValueError, TypeError) as exc:
+            raise _LearnFailed(str(exc)) from exc
         offset = ctx.block_offset
         ids = es.adapter.hasher.block_ids(tokens, cache_salt=ctx.body.get("cache_salt"))
         return tuple(ids[:offset] if offset is not None else ids)
@@ -381,11 +390,19 @@ class Retention:
         es = self.engines.get(session.engine or "")
         if es is not None and es.no_tokenize:  # nobody can learn them: skip the reads
             return cached[1] if cached is not None else ()
+        if time.monotonic() < self._learn_retry.get((tenant, sid), -math.inf):
+            return cached[1] if cached is not None else ()
         raw = await self.store.get_blocks(tenant, sid)
         if raw is not None and len(raw) >= 8 and _VERSION.unpack(raw[:8])[0] == version:
             blocks = unpack_blocks(raw[8:])
         else:
-            blocks = await self._learn_blocks(session) or ()
+            try:
+                blocks = await self._learn_blocks(session) or ()
+            except _LearnFailed as exc:  # the engine did not answer: ask again, not every tick
+                log.debug("block ids of %s not learned yet: %s", sid, exc)
+                self._learn_retry[(tenant, sid)] = time.monotonic() + LEARN_RETRY_S
+                return cached[1] if cached is not None else ()
+        self._learn_retry.pop((tenant, sid), None)
         self._blocks[(tenant, sid)] = (version, blocks)
         return blocks
 
@@ -433,6 +450,7 @@ class Retention:
 
     def forget(self, tenant: str, sid: str) -> None:
         self._blocks.pop((tenant, sid), None)
+        self._learn_retry.pop((tenant, sid), None)
         if self.anchors is not None:
             self.anchors.forget(tenant, sid)
 

@@ -113,12 +113,14 @@ class TierKeeper:
         *,
         max_pins_per_tick: int = 8,
         capacity_refresh_s: float = 10.0,
+        capacity_retry_s: float = 1.0,
     ) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics
         self.max_pins_per_tick = max_pins_per_tick
         self.capacity_refresh_s = capacity_refresh_s
+        self.capacity_retry_s = capacity_retry_s
         self._state: dict[str, _TierState] = {}
 
     async def tick(
@@ -251,9 +253,12 @@ class TierKeeper:
             st.pins.clear()
             self._report(es, st)
 
-    def pinned(self, engine: str) -> dict[str, int]:
-        """``{"sessions": n, "chunks": m}`` pinned on ``engine``'s tier (views)."""
-        return _counts(self._state.get(engine))
+    def pinned(self, engine: str) -> dict[str, int | None]:
+        """``{"sessions": n, "chunks": m, "capacity_chunks": c}`` on ``engine``'s tier (views):
+        what is pinned, and the capacity the share applies to (None until the tier stored
+        something to measure it by)."""
+        st = self._state.get(engine)
+        return {**_counts(st), "capacity_chunks": st.capacity_chunks if st is not None else None}
 
     # --- internals ------------------------------------------------------------------------------
     @staticmethod
@@ -286,6 +291,13 @@ class TierKeeper:
             pin = await self._pin(es, tier, session)
             if pin is None:
                 continue
+            log.debug(
+                "tier pin: %s on %s, %d chunks (%d tokens stored)",
+                session.session_id,
+                es.engine.name,
+                pin.chunks,
+                pin.stored,
+            )
             st.pins[sk] = pin
             await self._record(es, sk, pin)
             if old is not None:  # after the new pin: the chunks both cover never drop to zero
@@ -372,8 +384,10 @@ class TierKeeper:
 
     async def _capacity(self, tier: LMCacheAdapter, st: _TierState, now: float) -> int | None:
         """The tier's capacity in chunks (its L1 total over the bytes of one stored object),
-        refreshed every ``capacity_refresh_s``; None until the tier has stored something."""
-        if st.capacity_chunks is not None and now - st.capacity_at < self.capacity_refresh_s:
+        refreshed every ``capacity_refresh_s``; None until the tier has stored something, asked
+        again every ``capacity_retry_s`` until then."""
+        every = self.capacity_refresh_s if st.capacity_chunks is not None else self.capacity_retry_s
+        if now - st.capacity_at < every:
             return st.capacity_chunks
         st.capacity_at = now
         try:
@@ -383,6 +397,8 @@ class TierKeeper:
             return st.capacity_chunks
         if status.objects > 0 and status.used_bytes > 0:
             st.capacity_chunks = int(status.total_bytes * status.objects // status.used_bytes)
+        else:
+            log.debug("tier capacity unknown: its L1 holds nothing yet (%s)", status)
         return st.capacity_chunks
 
     def _report(self, es: EngineState, st: _TierState) -> None:

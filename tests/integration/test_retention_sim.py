@@ -9,6 +9,8 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
+import proxy.retention
+from adapters.base import AdapterError
 from proxy.retention import PRUNE_EVERY_S
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import (
@@ -536,6 +538,34 @@ async def test_the_block_ids_of_sessions_the_store_dropped_are_forgotten(
         assert retention.known_blocks("default", "c") == ()
         assert retention.known_blocks("default", "a") == blocks  # alive: kept
         assert retention.shared_prefix("default", "a", blocks) == 0
+
+
+async def test_block_ids_the_engine_failed_to_give_are_asked_for_again(
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenize that fails (the engine busy or restarting) is not remembered as "no blocks"
+    for the session's context: that left a protected session untouched and unpinned until its
+    next request. It is asked again after ``LEARN_RETRY_S``, not on every tick."""
+    monkeypatch.setattr(proxy.retention, "LEARN_RETRY_S", 0.2)
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
+        await st.complete(prompt(1), {"session_id": "a"})
+        await st.runtime().settle()
+        retention, es = _engine_state(st)
+        real, calls = es.adapter.tokenize, []
+
+        async def flaky(route: str, body: dict[str, object]) -> list[int]:
+            calls.append(route)
+            if len(calls) == 1:
+                raise AdapterError("engine busy")
+            return await real(route, body)
+
+        monkeypatch.setattr(es.adapter, "tokenize", flaky)
+        assert await retention.blocks_of("default", "a") == ()
+        assert await retention.blocks_of("default", "a") == ()  # within the retry delay
+        assert len(calls) == 1
+        await asyncio.sleep(0.25)
+        assert len(await retention.blocks_of("default", "a")) == 63
+        assert len(calls) == 2
 
 
 async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, namespace: str) -> None:

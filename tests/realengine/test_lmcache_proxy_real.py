@@ -31,7 +31,7 @@ from tests.realengine.lmcache_fixtures import (
     lmcache_vllm,
 )
 from tests.realengine.test_lmcache import aligned, eventually, tokens
-from tests.realengine.test_proxy_real import Client, metric, proxy_for, session_json
+from tests.realengine.test_proxy_real import ADMIN, Client, metric, proxy_for, session_json
 
 __all__ = ["_clean_prefix_cache", "lmcache_engine_python", "lmcache_stack", "lmcache_vllm"]
 
@@ -164,9 +164,16 @@ async def test_a_protected_session_is_pinned_in_lmcache_until_its_protection_end
         async def pins() -> dict[str, int]:
             return await lmc.pin_counts(session)
 
+        async def state() -> str:
+            """What kvkeeper and the tier saw, for a failure message."""
+            engines = await (await proxy.get("/admin/engines", headers=ADMIN)).text()
+            return f"engines={engines} session={await session_json(proxy, 'pin-1')} " + (
+                f"stored={await lmc.lookup(session)} l1={await lmc.l1_status()}"
+            )
+
         await turn(300)
         pinned = await eventually(pins, lambda c: len(c) == chunks)
-        assert sorted(pinned.values()) == [1] * chunks, pinned  # once per chunk, not per tick
+        assert sorted(pinned.values()) == [1] * chunks, (pinned, await state())  # once per chunk
         assert await metric(proxy, "kvkeeper_tier_pinned_sessions") == 1
         await turn(1)  # the next turn asks for one second: new version pinned, old released
         released = await eventually(pins, lambda c: not c, within=30)

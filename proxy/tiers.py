@@ -397,6 +397,7 @@ class TierKeeper:
             return st.capacity_chunks
         if status.objects > 0 and status.used_bytes > 0:
             st.capacity_chunks = int(status.total_bytes * status.objects // status.used_bytes)
+            log.debug("tier capacity: %d chunks (%s)", st.capacity_chunks, status)
         else:
             log.debug("tier capacity unknown: its L1 holds nothing yet (%s)", status)
         return st.capacity_chunks

@@ -23,6 +23,10 @@ Targets (``--targets``, default: every one that applies):
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
   ``round_robin`` and its ``cache_aware`` policy, when installed.
 
+A kvkeeper target may carry settings of its own after ``@``: ``full+pins@tier_pin_share=0.8``
+is ``full+pins`` with that retention setting (several: ``@a=1@b=2``; they win over
+``--retention``), so one invocation can play one mechanism at several settings side by side.
+
 On the simulator every target gets new engine processes with the same configuration, so no
 target inherits another's cache; against engine URLs (``--engine-url``) the prefix cache is
 reset between targets instead. Beside the measurements it prints the workload's cache ceilings
@@ -77,6 +81,7 @@ from loadgen.targets import (
 from loadgen.workloads import parse_overrides
 from loadgen.workloads.base import Call, SessionScript, Spawn, Workload
 from loadgen.workloads.hints import HintMode, HintPolicy
+from proxy.settings import RetentionSettings
 
 if TYPE_CHECKING:
     from loadgen.bench_cli import Subparsers
@@ -171,6 +176,12 @@ class TargetRun:
 
 
 # --- targets -------------------------------------------------------------------------------------
+def split_target(name: str) -> tuple[str, dict[str, Any]]:
+    """``full+pins@tier_pin_share=0.8`` -> ``("full+pins", {"tier_pin_share": 0.8})``."""
+    base, *items = name.split("@")
+    return base, parse_overrides(items)
+
+
 def plan_targets(
     requested: Sequence[str], replicas: int, router: str | None
 ) -> list[tuple[str, str | None]]:
@@ -182,12 +193,17 @@ def plan_targets(
     ]
     out: list[tuple[str, str | None]] = []
     for name in names:
-        if name not in TARGETS:
-            raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
+        base, settings = split_target(name)
+        if base not in TARGETS:
+            raise ValueError(f"unknown target {base!r}; choose from {', '.join(TARGETS)}")
+        if settings and base not in HINTED:
+            raise ValueError(f"{name!r}: only kvkeeper targets take settings after '@'")
+        if unknown := sorted(set(settings) - set(RetentionSettings.model_fields)):
+            raise ValueError(f"{name!r}: no retention setting {', '.join(unknown)}")
         reason = None
-        if name in PLAIN and replicas > 1:
+        if base in PLAIN and replicas > 1:
             reason = "several replicas: a plain client cannot spread over them"
-        elif name in ROUTER_POLICIES and router is None:
+        elif base in ROUTER_POLICIES and router is None:
             reason = "vllm-router is not installed"
         out.append((name, reason))
     return out
@@ -206,8 +222,9 @@ async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoi
             for u, e in zip(spec.engine_urls, events, strict=False)
         ]
         return
-    sim = replace(spec.sim, scheduling_policy="priority") if name in PRIORITY_TARGETS else spec.sim
-    if name == "engine-notier":
+    base, _ = split_target(name)
+    sim = replace(spec.sim, scheduling_policy="priority") if base in PRIORITY_TARGETS else spec.sim
+    if base == "engine-notier":
         sim = replace(sim, cpu_blocks=0)
     async with start_sims(sim, spec.replicas) as sims:
         yield sims
@@ -217,19 +234,21 @@ async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoi
 async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> AsyncIterator[str]:
     """The URL the client talks to for target ``name``, with whatever runs in front."""
     logs = spec.out / "logs"
-    if name in PLAIN:
+    base, settings = split_target(name)
+    if base in PLAIN:
         yield sims[0].url
-    elif name in ROUTER_POLICIES:
+    elif base in ROUTER_POLICIES:
         assert spec.router is not None
         async with start_router(
-            spec.router, [s.url for s in sims], ROUTER_POLICIES[name], logs
+            spec.router, [s.url for s in sims], ROUTER_POLICIES[base], logs
         ) as url:
             yield url
     else:
         retention = {
             "block_size": spec.sim.block_size,
-            **TARGET_RETENTION.get(name, {}),
+            **TARGET_RETENTION.get(base, {}),
             **spec.retention,
+            **settings,
         }
         usable = [s for s in sims if s.events_endpoint] if spec.engine_urls else sims
         async with (
@@ -271,13 +290,14 @@ def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff
 async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str) -> TargetRun:
     """Bring up a fresh stack for ``name``, play the workload, tear it down."""
     t0 = time.monotonic()
-    mode = HINTED.get(name, "none")
+    base, _ = split_target(name)
+    mode = HINTED.get(base, "none")
     async with _engines(spec, name) as sims, _front(name, sims, spec) as url:
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
         result = await run_workload(workload, target, options, label=name)
         keep = spec.out / "logs" / f"{name}-metrics.txt"
-        counters = await _scrape(url, keep) if name in HINTED else {}
+        counters = await _scrape(url, keep) if base in HINTED else {}
     result.save(spec.out / f"{name}.json")
     return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0)
 
@@ -717,7 +737,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument(
         "--targets",
         default="",
-        help=f"comma list from {','.join(TARGETS)} (default: all that apply)",
+        help=(
+            f"comma list from {','.join(TARGETS)} (default: all that apply); a kvkeeper "
+            "target takes retention settings after '@', e.g. full+pins@tier_pin_share=0.8"
+        ),
     )
     p.add_argument("--replicas", type=int, default=1, help="engine replicas (simulator)")
     p.add_argument(

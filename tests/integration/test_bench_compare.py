@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loadgen import ceiling
 from loadgen.bench_compare import (
@@ -61,6 +62,8 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
         (("full", "full+unbounded"), 1, None, [("full", None), ("full+unbounded", None)]),
         (("none+priority", "full+priority"), 2, None,
          [("none+priority", None), ("full+priority", None)]),
+        (("full+pins@tier_pin_share=0.8", "full@dispatch_ahead=2@budget_share=0.3"), 1, None,
+         [("full+pins@tier_pin_share=0.8", None), ("full@dispatch_ahead=2@budget_share=0.3", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),
           ("vllm-router", "vllm-router is not installed")]),
@@ -78,6 +81,32 @@ def test_plan_targets(
 def test_plan_rejects_unknown_target() -> None:
     with pytest.raises(ValueError, match="unknown target 'lru'"):
         plan_targets(("lru",), 1, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("engine@tick_s=1", "only kvkeeper targets take settings"),
+        ("full@no_such_knob=1", "no retention setting no_such_knob"),
+        ("full@tick_s", "expected key=value"),
+        ("lru@tick_s=1", "unknown target 'lru'"),
+    ],
+)
+def test_plan_rejects_a_bad_target_setting(name: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        plan_targets((name,), 1, None)
+
+
+async def test_a_target_setting_reaches_kvkeeper(tmp_path: Path) -> None:
+    """``full@touch_deadline_s=2.5`` plays ``full`` with that setting in kvkeeper's config."""
+    workload = small_swarm()
+    name = "full@touch_deadline_s=2.5"
+    doc = await run_compare(workload, spec(tmp_path, (name,), 0.5))
+    assert doc["targets"][name]["requests"] == workload.n_calls()
+    assert doc["targets"][name]["manage"]  # full hints: the client sent management requests
+    (config,) = (tmp_path / "cmp" / "logs").glob("kvkeeper-*.yaml")
+    retention = yaml.safe_load(config.read_text())["retention"]
+    assert retention["touch_deadline_s"] == 2.5
 
 
 def test_cli_registers_compare() -> None:

@@ -111,7 +111,9 @@ class RetentionSettings(BaseModel):
     budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
     # protected sessions the GPU is losing pinned in the engine's offload tier (proxy/tiers.py),
     # within this share of its capacity; a session the tier holds gets no GPU touches. Off by
-    # default: LMCache MP pins protect L2 only, and the simulator's gains were within noise
+    # default: LMCache MP pins protect L2 only (an L2 without a capacity keeps everything), and
+    # the simulator's one-level tier gained only at a large share (1.0 on the swarm; on the
+    # traces pins crowd other requests out of the tier): BENCHMARKS.md, "Pin share"
     tier_pin_share: float = Field(default=0.0, ge=0, le=1)
     # no GPU touches for protected sessions the offload tier will still hold when their
     # protection ends (proxy/tiers.py): for tiers larger than the pool

@@ -765,6 +765,12 @@ def register(sub: Subparsers) -> None:
     )
     p.add_argument("--pool-frac", type=float, help="pool as a share of the peak working set")
     p.add_argument("--cpu-blocks", type=int, default=0, help="simulator CPU tier (0: none)")
+    p.add_argument(
+        "--cpu-l2-blocks",
+        type=int,
+        default=0,
+        help="the simulator CPU tier's L2, LMCache MP-shaped: L1 LRU, pins protect L2 (0: none)",
+    )
     p.add_argument("--no-offload", action="store_true", help="do not give kvkeeper the CPU tier")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
@@ -812,6 +818,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
         speed=args.speed,
         num_blocks=args.num_blocks,
         cpu_blocks=args.cpu_blocks,
+        cpu_l2_blocks=args.cpu_l2_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,

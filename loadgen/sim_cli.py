@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--topic", default=_D.topic, help="ZMQ topic of KV event messages")
     p.add_argument("--cpu-blocks", type=int, default=_D.cpu_blocks,
                    help="CPU-tier size in blocks (0: no CPU tier)")  # fmt: skip
+    p.add_argument("--cpu-l2-blocks", type=int, default=_D.cpu_l2_blocks,
+                   help="the CPU tier's L2 in blocks, as LMCache MP's: L1 stays LRU, pins "
+                        "protect L2 (0: one level that pins protect)")  # fmt: skip
+    p.add_argument("--cpu-l2-load-factor", type=float, default=_D.cpu_l2_load_factor,
+                   help="an L2 load costs this many L1 loads")  # fmt: skip
     p.add_argument("--lmcache-port", type=int, default=9300,
                    help="port of the LMCache-shaped control API (coordinator + MP server "
                         "routes), with --cpu-blocks")  # fmt: skip
@@ -78,6 +83,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         replay_port=None if args.no_replay else args.replay_port,
         topic=args.topic,
         cpu_blocks=args.cpu_blocks,
+        cpu_l2_blocks=args.cpu_l2_blocks,
+        cpu_l2_load_factor=args.cpu_l2_load_factor,
         lmcache_port=args.lmcache_port,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -47,3 +47,6 @@ run trace-r2-n16-p50 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5 --replicas 
 run trace-n8-p25-tier  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25 --cpu-blocks 1920
 run trace-n16-p50-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5  --cpu-blocks 4687
 run swarm-p50-tier     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057
+# the same with LMCache MP's two levels: an L1 as large as the pool that stays LRU, written
+# through to an L2 as large again whose eviction pins protect, loads from it 4x an L1 load
+run swarm-p50-tier-l2  "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057 --cpu-l2-blocks 1057

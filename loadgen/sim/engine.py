@@ -52,6 +52,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # --long-prefill-token-threshold (0: off)
     max_model_len: int = 131_072  # --max-model-len
     cpu_blocks: int = 0  # CPU tier size in blocks (0: no tier)
+    cpu_l2_blocks: int = 0  # the tier's L2 in blocks (0: one level that pins protect)
+    cpu_l2_load_factor: float = 4.0  # an L2 load costs this many L1 loads (disk vs memory)
     scheduling_policy: SchedulingPolicy = "fcfs"  # --scheduling-policy
     speed: float = 1.0  # >1 runs faster than the profile
     reply_tokens: int = 16  # length of the canned answer before EOS
@@ -99,6 +101,7 @@ class _StepPlan:
     prefill_tokens: int = 0
     cached_tokens: int = 0
     loaded_tokens: int = 0
+    l2_loaded_tokens: int = 0  # of loaded_tokens
     decodes: int = 0
     preempted: bool = False
 
@@ -168,8 +171,17 @@ class SimEngine:
         self.pool = BlockPool(config.num_blocks, config.block_size, self.events)
         self.kv = KVCacheManager(self.pool, BlockHashCache(config.block_size, config.hash_seed))
         chunks = config.cpu_blocks * config.block_size // 256
+        l2_chunks = config.cpu_l2_blocks * config.block_size // 256
         self.cpu: CpuTier | None = (
-            CpuTier(chunks, config.block_size, config.hash_seed, self.events) if chunks else None
+            CpuTier(
+                chunks,
+                config.block_size,
+                config.hash_seed,
+                self.events,
+                l2_capacity_chunks=l2_chunks,
+            )
+            if chunks
+            else None
         )
         self.stats = EngineStats()
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -283,6 +295,8 @@ class SimEngine:
                 cached_tokens=plan.cached_tokens,
                 loaded_tokens=plan.loaded_tokens,
                 decodes=plan.decodes,
+                l2_loaded_tokens=plan.l2_loaded_tokens,
+                l2_load_factor=self.config.cpu_l2_load_factor,
             )
             await asyncio.sleep(seconds / self.config.speed)
             self._update(plan, loop.time())
@@ -329,7 +343,7 @@ class SimEngine:
             seq = req.seq
             hits = self.kv.get_computed_blocks(seq)
             local = len(hits) * self.config.block_size
-            external = self._external_hit(req, local)
+            external, from_l2 = self._external_hit(req, local)
             n = min(self._cap(seq.num_tokens - local - external), budget)
             if not self.kv.allocate_slots(
                 seq, n, local + external, hits, full_sequence_must_fit=True
@@ -345,21 +359,30 @@ class SimEngine:
                 req.num_external_tokens = external
             plan.cached_tokens += local
             plan.loaded_tokens += external
+            plan.l2_loaded_tokens += from_l2
             self._plan_add(plan, req, n)
             budget -= n
 
-    def _external_hit(self, req: SimRequest, local: int) -> int:
-        """Tokens beyond the local hit that the CPU tier can load (never the last token)."""
+    def _external_hit(self, req: SimRequest, local: int) -> tuple[int, int]:
+        """Tokens beyond the local hit that the CPU tier can load (never the last token), and
+        how many of them come from its L2."""
         if self.cpu is None:
-            return 0
+            return 0, 0
         seq = req.seq
-        stored = self.cpu.lookup_prefix(
+        sources = self.cpu.lookup_sources(
             seq.token_ids, seq.cache_salt, self._cpu_keys(req, seq.num_tokens)
         )
-        external = max(0, min(stored, seq.num_tokens - 1) - local)
+        ct = self.cpu.chunk_tokens
+        end = min(len(sources) * ct, seq.num_tokens - 1)
+        external = max(0, end - local)
+        from_l2 = sum(
+            max(0, min(end, (i + 1) * ct) - max(local, i * ct))
+            for i, l2 in enumerate(sources)
+            if l2
+        )
         self.stats.external_queries += seq.num_tokens
         self.stats.external_hits += external
-        return external
+        return external, from_l2
 
     def _cap(self, n: int) -> int:
         """vLLM's ``long_prefill_token_threshold``: bounds one request's chunk per step."""

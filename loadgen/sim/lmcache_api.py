@@ -82,13 +82,13 @@ async def lookup(request: web.Request) -> web.Response:
     keys = tier.chunk_keys(_tokens(body), salt)
     match = _model_matches(request, body)
     results = []
+    size = _chunk_bytes(engine, tier)
     for key in keys:
-        chunk = tier.chunks.get(key) if match else None
-        placements = (
-            [{"instance_id": INSTANCE_ID, "tier": "l1", "backend": "dram",
-              "size_bytes": _chunk_bytes(engine, tier)}]
-            if chunk is not None else []
-        )  # fmt: skip
+        levels = [(name, backend, level.get(key)) if match else (name, backend, None)
+                  for name, backend, level in (("l1", "dram", tier.chunks), ("l2", "fs", tier.l2))]  # fmt: skip
+        placements = [{"instance_id": INSTANCE_ID, "tier": name, "backend": backend,
+                       "size_bytes": size} for name, backend, c in levels if c is not None]  # fmt: skip
+        chunk = next((c for _, _, c in levels if c is not None), None)
         results.append({"key": _key(request, key, salt), "placements": placements,
                         "access_count": chunk.access_count if chunk else 0})  # fmt: skip
     return web.json_response({"chunks": len(keys), "results": results})
@@ -117,7 +117,7 @@ async def _set_pins(request: web.Request, *, pinned: bool) -> web.Response:
 async def list_pins(request: web.Request) -> web.Response:
     """Paged: ``?offset=&limit=``; ``{"pins": [{"key", "pin_count"}], "total"}``."""
     tier = _tier(request)
-    salts = {key: c.cache_salt for key, c in tier.chunks.items()}
+    salts = {key: c.cache_salt for key, c in {**tier.l2, **tier.chunks}.items()}
     rows = [{"key": _key(request, key, salts.get(key)), "pin_count": count}
             for key, count in sorted(tier.pins.items())]  # fmt: skip
     offset = int(request.query.get("offset", "0"))
@@ -139,9 +139,12 @@ async def instances(request: web.Request) -> web.Response:
 async def instances_usage(request: web.Request) -> web.Response:
     tier, engine = _tier(request), request.app[ENGINE]
     size = _chunk_bytes(engine, tier)
-    module = {"tier": "l1", "backend": "dram", "used_bytes": len(tier.chunks) * size,
-              "capacity_bytes": tier.capacity * size}  # fmt: skip
-    return web.json_response({"instances": [{"instance_id": INSTANCE_ID, "modules": [module]}]})
+    modules = [{"tier": "l1", "backend": "dram", "used_bytes": len(tier.chunks) * size,
+                "capacity_bytes": tier.capacity * size}]  # fmt: skip
+    if tier.l2_capacity > 0:
+        modules.append({"tier": "l2", "backend": "fs", "used_bytes": len(tier.l2) * size,
+                        "capacity_bytes": tier.l2_capacity * size})  # fmt: skip
+    return web.json_response({"instances": [{"instance_id": INSTANCE_ID, "modules": modules}]})
 
 
 # -- MP server ---------------------------------------------------------------------------------
@@ -167,13 +170,20 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def prefetch(request: web.Request) -> web.Response:
-    """Nothing to move in a one-tier simulator: completes at once with the keys found."""
+    """Completes at once with the keys found; with an L2, the leading chunks found there are
+    loaded back into L1 first (a one-level tier has nothing to move)."""
     body = await _body(request)
     tier, tokens = _tier(request), _tokens(body)
     keys = tier.chunk_keys(tokens, _salt(body))
     if not keys:
         return web.json_response({"status": "noop"})
-    found = sum(1 for k in keys if k in tier.chunks) if _model_matches(request, body) else 0
+    if not _model_matches(request, body):
+        found = 0
+    elif tier.l2_capacity > 0:
+        found = len(tier.lookup_sources(tokens, _salt(body), keys))
+        request.app[ENGINE].flush_events()
+    else:
+        found = sum(1 for k in keys if k in tier.chunks)
     request_id = f"prefetch-{len(request.app[PREFETCHES])}"
     request.app[PREFETCHES][request_id] = found
     return web.json_response({"request_id": request_id, "status": "submitted"})
@@ -197,13 +207,16 @@ async def clear(request: web.Request) -> web.Response:
 
 
 async def delete_objects(request: web.Request) -> web.Response:
-    """Delete chunk keys from the tier (``tier`` ``l1`` or ``l2`` both address it)."""
+    """Delete chunk keys from ``tier`` (``l1``, ``l2`` or ``all``; a one-level tier is both)."""
     body = await _body(request)
     keys = body.get("keys")
     if not isinstance(keys, list):
         raise web.HTTPBadRequest(text="keys must be a list of chunk keys")
     tier = _tier(request)
-    deleted = sum(tier.remove(str(k.get("chunk_hash_hex", ""))) for k in _dicts(keys))
+    level = str(body.get("tier", "all")) if tier.l2_capacity > 0 else "all"
+    if level not in ("l1", "l2", "all"):
+        raise web.HTTPBadRequest(text="tier must be 'l1', 'l2' or 'all'")
+    deleted = sum(tier.remove(str(k.get("chunk_hash_hex", "")), level) for k in _dicts(keys))
     request.app[ENGINE].flush_events()
     return web.json_response({"deleted": deleted, "skipped": len(keys) - deleted, "ok": True})
 

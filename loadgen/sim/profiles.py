@@ -7,6 +7,7 @@ for others. Its duration is
     + prefill_s_per_token     * uncached prompt tokens scheduled this step
     + cached_s_per_token      * prefix-hit tokens of requests first scheduled this step
     + load_s_per_token        * tokens loaded back from the CPU tier this step
+      (x the engine's ``cpu_l2_load_factor`` for those that came from the tier's L2)
     + decode_base_s + decode_s_per_seq * decoding requests        (when any decode)
 
 divided by the simulator's ``--speed`` factor.
@@ -31,12 +32,21 @@ class Profile:
     kv_bytes_per_token: int
 
     def step_seconds(
-        self, *, prefill_tokens: int, cached_tokens: int, loaded_tokens: int, decodes: int
+        self,
+        *,
+        prefill_tokens: int,
+        cached_tokens: int,
+        loaded_tokens: int,
+        decodes: int,
+        l2_loaded_tokens: int = 0,
+        l2_load_factor: float = 1.0,
     ) -> float:
+        """``loaded_tokens`` includes the ``l2_loaded_tokens``, which cost ``l2_load_factor``
+        times as much."""
         t = self.step_overhead_s
         t += prefill_tokens * self.prefill_s_per_token
         t += cached_tokens * self.cached_s_per_token
-        t += loaded_tokens * self.load_s_per_token
+        t += (loaded_tokens + (l2_load_factor - 1) * l2_loaded_tokens) * self.load_s_per_token
         if decodes:
             t += self.decode_base_s + decodes * self.decode_s_per_seq
         return t

@@ -58,6 +58,8 @@ class SimConfig:
     replay_port: int | None = 0  # None: no replay endpoint
     topic: str = "kv"
     cpu_blocks: int = 0
+    cpu_l2_blocks: int = 0  # the CPU tier's L2 (0: one level that pins protect)
+    cpu_l2_load_factor: float = 4.0
     lmcache_port: int = 0  # used only with cpu_blocks > 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -76,6 +78,8 @@ class SimConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_model_len=self.max_model_len,
             cpu_blocks=self.cpu_blocks,
+            cpu_l2_blocks=self.cpu_l2_blocks,
+            cpu_l2_load_factor=self.cpu_l2_load_factor,
             speed=self.speed,
             reply_tokens=self.reply_tokens,
             scheduling_policy=self.scheduling_policy,

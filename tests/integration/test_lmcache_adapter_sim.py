@@ -130,3 +130,33 @@ async def test_unreachable_tier_raises_engine_unavailable() -> None:
         assert await dead.health() is False
         with pytest.raises(EngineUnavailable):
             await dead.pin(tokens(4, 256))
+
+
+async def test_a_tier_with_an_l2_keeps_pinned_chunks_that_l1_lets_go() -> None:
+    """``--cpu-l2-blocks``: the simulator's tier has LMCache MP's two levels. A pinned prefix
+    that L1's LRU lets go stays in L2 (reported there by the lookup), is loaded back into L1 by
+    a prefetch, and is deleted from each level on its own."""
+    config = SimConfig(
+        model=MODEL, num_blocks=NUM_BLOCKS, cpu_blocks=48, cpu_l2_blocks=48, speed=200.0
+    )  # six 256-token chunks in each level
+    async with run_simulator(config) as sim, aiohttp.ClientSession() as http:
+        assert sim.lmcache_url is not None
+        lmc = LMCacheAdapter(http, LMCacheConfig(sim.lmcache_url, sim.lmcache_url, MODEL))
+        engine = VLLMAdapter("sim", sim.url, http, model=MODEL)
+        session = tokens(20, 800)  # three chunks
+        await engine.touch_tokens(session)
+        assert await lmc.pin(session) == 3
+        for seed in range(3):  # nine more chunks through six-chunk levels
+            await engine.touch_tokens(tokens(30 + seed, 800))
+        usage = {u.tier: u for u in await lmc.usage()}
+        assert set(usage) == {"l1", "l2"} and usage["l2"].capacity_bytes > 0
+        placements = [set(c.tiers) for c in await lmc.chunks(session)]
+        assert placements == [{"l2"}, {"l2"}, {"l2"}]  # L1 let it go, L2 kept it
+        assert await lmc.lookup(session) == 768
+        assert await lmc.prefetch_to_l1(session) == 3
+        assert [set(c.tiers) for c in await lmc.chunks(session)] == [{"l1", "l2"}] * 3
+        await lmc.clear_l1()
+        assert [set(c.tiers) for c in await lmc.chunks(session)] == [{"l2"}] * 3
+        result = await lmc.delete_prefix(session)
+        assert result.deleted_keys.get("l2") == 3
+        assert await lmc.lookup(session) == 0

@@ -134,7 +134,7 @@ async def test_cpu_tier_keys_are_hashed_once_per_request(make_engine: Factory) -
     assert tier is not None
     hashed: list[int] = []
     lookups: list[int] = []
-    chunk_keys, lookup_prefix = tier.chunk_keys, tier.lookup_prefix
+    chunk_keys, lookup_sources = tier.chunk_keys, tier.lookup_sources
 
     def counting_keys(tokens: Sequence[int], salt: str | None) -> list[str]:
         hashed.append(len(tokens))
@@ -142,12 +142,12 @@ async def test_cpu_tier_keys_are_hashed_once_per_request(make_engine: Factory) -
 
     def counting_lookup(
         tokens: Sequence[int], salt: str | None, keys: Sequence[str] | None = None
-    ) -> int:
+    ) -> list[bool]:
         lookups.append(len(tokens))
-        return lookup_prefix(tokens, salt, keys)
+        return lookup_sources(tokens, salt, keys)
 
     tier.chunk_keys = counting_keys  # type: ignore[method-assign]
-    tier.lookup_prefix = counting_lookup  # type: ignore[method-assign]
+    tier.lookup_sources = counting_lookup  # type: ignore[method-assign]
     # 18 of the 19 usable blocks, 19 with its 30 output tokens: the waiter (16 blocks) waits
     hog = engine.add_request(
         list(range(20_000, 20_560)), max_tokens=30, ignore_eos=True, reply=REPLY
@@ -182,6 +182,68 @@ def test_cpu_tier_lru_respects_pins() -> None:
     tier.unpin(x, None)
     assert tier.store(y, hy, None) == 1  # x is evictable again: LRU order x (older), z
     assert tier.lookup_prefix(x, None) == 0
+
+
+def test_cpu_tier_with_an_l2_pins_protect_l2_and_l1_stays_lru() -> None:
+    """LMCache MP's two levels: L1 evicts by LRU whatever is pinned, every chunk is written
+    through to L2, whose eviction skips pinned chunks; a chunk found only in L2 is loaded back
+    into L1, and ``/cache/clear`` empties L1 only."""
+    events: list[KVEvent] = []
+    tier = CpuTier(2, 32, "0", events, l2_capacity_chunks=2)
+    hasher = BlockHasher(32, "0")
+    x, y, z = ([i] * 256 for i in (1, 2, 3))
+    for chunk in (x, y):
+        assert tier.store(chunk, hasher.digests(chunk), None) == 1
+    tier.pin(x, None)
+    assert tier.store(z, hasher.digests(z), None) == 1
+    key = {name: tier.chunk_keys(c, None)[0] for name, c in (("x", x), ("y", y), ("z", z))}
+    assert list(tier.chunks) == [key["y"], key["z"]]  # L1: x went first, pinned or not
+    assert list(tier.l2) == [key["x"], key["z"]]  # L2: y went, x is pinned
+    assert tier.lookup_sources(x, None) == [True]  # from L2, back into L1 (y leaves L1)
+    assert list(tier.chunks) == [key["z"], key["x"]]
+    assert tier.lookup_sources(y, None) == []  # in neither level now
+    assert tier.lookup_sources(z, None) == [False]
+    assert tier.clear() == 2
+    assert tier.lookup_prefix(z, None) == 256  # L2 kept its copy (now loaded into L1 again)
+    assert tier.remove(key["z"], "l2") and tier.holds(key["z"])  # still in L1
+    assert tier.remove(key["z"]) and not tier.holds(key["z"])
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert len(stored) == 5  # x, y, z stored; x and z loaded back into L1
+
+
+async def test_l2_loads_are_charged_at_the_l2_rate(make_engine: Factory) -> None:
+    """Tokens the tier loads from L2 reach the step's timing as such."""
+    engine, _ = make_engine(num_blocks=20, block_size=32, cpu_blocks=16, cpu_l2_blocks=64)
+    steps: list[dict[str, float]] = []
+    profile = engine.profile
+
+    class Recording:
+        def __getattr__(self, name: str) -> object:
+            return getattr(profile, name)
+
+        def step_seconds(self, **kw: float) -> float:
+            steps.append(kw)
+            return 0.0
+
+    engine.profile = Recording()  # type: ignore[assignment]
+    a = list(range(10_000, 10_512))  # 2 chunks: the whole of L1
+    await drain(engine.add_request(a, max_tokens=1, reply=REPLY))
+    await drain(engine.add_request(list(range(50_000, 50_512)), max_tokens=1, reply=REPLY))
+    again = engine.add_request(a, max_tokens=1, reply=REPLY)
+    await drain(again)
+    assert again.num_external_tokens > 0  # the flood took a from the device and from L1
+    loads = [s for s in steps if s["loaded_tokens"]]
+    assert [(s["loaded_tokens"], s["l2_loaded_tokens"]) for s in loads] == [
+        (again.num_external_tokens, again.num_external_tokens)
+    ]
+    assert loads[0]["l2_load_factor"] == 4.0
+    h100 = get_profile("h100-llama8b")
+    l1_only = h100.step_seconds(prefill_tokens=0, cached_tokens=0, loaded_tokens=100, decodes=0)
+    from_l2 = h100.step_seconds(
+        prefill_tokens=0, cached_tokens=0, loaded_tokens=100, decodes=0,
+        l2_loaded_tokens=100, l2_load_factor=4.0,
+    )  # fmt: skip
+    assert from_l2 - h100.step_overhead_s == pytest.approx(4 * (l1_only - h100.step_overhead_s))
 
 
 async def test_cpu_profile_timing_matches_the_measured_engine(make_engine: Factory) -> None:

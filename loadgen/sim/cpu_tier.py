@@ -13,8 +13,10 @@ With ``l2_capacity_chunks`` > 0 the tier has two levels, as LMCache's multi-proc
 does: L1 (CPU memory, ``capacity_chunks``) is a plain LRU that pins do not protect, and every
 chunk stored there is written through to L2 (``l2_capacity_chunks``, e.g. an ``fs`` adapter
 with a capacity), whose eviction skips pinned chunks (the coordinator's pins protect L2 eviction
-plans only). A lookup that finds a chunk only in L2 loads it back into L1; the engine charges
-those tokens the slower L2 load (:meth:`lookup_sources`).
+plans only). A lookup that finds a chunk only in L2 loads it back into L1 at once, as the MP
+server's prefetch on lookup does; a request admitted at that lookup pays the slower L2 load for
+those tokens (:meth:`lookup_sources`), one that waits in the queue finds them in L1 later and
+pays the L1 rate (the L2 read overlapped its wait).
 
 Chunk keys chain over chunks (``chunk[i] = h(chunk[i-1], tokens, salt on chunk 0)``), so a key
 names a whole prefix, like LMCache's own chunk hashes. Events for this tier carry vLLM's block

@@ -50,3 +50,4 @@ run swarm-p50-tier     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057
 # the same with LMCache MP's two levels: an L1 as large as the pool that stays LRU, written
 # through to an L2 as large again whose eviction pins protect, loads from it 4x an L1 load
 run swarm-p50-tier-l2  "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057 --cpu-l2-blocks 1057
+run trace-n16-p50-tier-l2 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5 --cpu-blocks 4687 --cpu-l2-blocks 4687

@@ -83,14 +83,13 @@ async def lookup(request: web.Request) -> web.Response:
     match = _model_matches(request, body)
     results = []
     size = _chunk_bytes(engine, tier)
+    levels = (("l1", "dram", tier.chunks), ("l2", "fs", tier.l2)) if match else ()
     for key in keys:
-        levels = [(name, backend, level.get(key)) if match else (name, backend, None)
-                  for name, backend, level in (("l1", "dram", tier.chunks), ("l2", "fs", tier.l2))]  # fmt: skip
+        found = [(name, backend, level[key]) for name, backend, level in levels if key in level]
         placements = [{"instance_id": INSTANCE_ID, "tier": name, "backend": backend,
-                       "size_bytes": size} for name, backend, c in levels if c is not None]  # fmt: skip
-        chunk = next((c for _, _, c in levels if c is not None), None)
+                       "size_bytes": size} for name, backend, _ in found]  # fmt: skip
         results.append({"key": _key(request, key, salt), "placements": placements,
-                        "access_count": chunk.access_count if chunk else 0})  # fmt: skip
+                        "access_count": found[0][2].access_count if found else 0})  # fmt: skip
     return web.json_response({"chunks": len(keys), "results": results})
 
 

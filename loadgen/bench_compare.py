@@ -18,6 +18,10 @@ Targets (``--targets``, default: every one that applies):
   tier pins (``tier_pin_share`` 0.5, :mod:`proxy.tiers`: protected sessions the GPU is losing
   pinned in the tier); ``full+tiercover``: ``full`` with ``tier_skip_touches`` (no touches for
   protected sessions the tier will still hold when their protection ends);
+* ``engine-belady`` (only when named, simulator, one replica): ``engine`` evicting by Belady's
+  rule from the future uses the round's first target really made (:mod:`loadgen.sim.belady`),
+  with no CPU tier: the best that eviction order alone does, in TTFT as well as hit rate
+  (``ttft_mean_vs_belady``: every target's mean TTFT against it);
 * ``full+step-deadline`` (only when named): ``full`` with the touch deadline stretched to three
   of the engine's steps where they outlast ``touch_deadline_s`` (``touch_deadline_steps`` 3);
 * ``round-robin`` / ``vllm-router``: with several replicas, ``vllm-router`` (PyPI) with its
@@ -63,11 +67,14 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from loadgen import ceiling
+from loadgen import ceiling, tokens
 from loadgen.bench_cli import _add_workload_args, workload_from_args
 from loadgen.metrics import parse_counters, summarize
-from loadgen.runner import RunOptions, RunResult, Target, run_workload
+from loadgen.runner import RequestRecord, RunOptions, RunResult, Target, run_workload
+from loadgen.sim.belady import oracle_document
 from loadgen.sim.engine import SCHEDULING_POLICIES
+from loadgen.sim.kv_manager import BlockHashCache
+from loadgen.sim.kv_manager import Sequence as SimSequence
 from loadgen.sim.profiles import PROFILES
 from loadgen.sim.server import SimConfig, SimEndpoints
 from loadgen.targets import (
@@ -110,17 +117,26 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
 }
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
+BELADY = "engine-belady"  # vanilla engine evicting by the recorded future (loadgen.sim.belady)
 ON_REQUEST = (
     frozenset(
-        {"full+unbounded", "engine-notier", "full+pins", "full+tiercover", "full+step-deadline"}
+        {
+            "full+unbounded",
+            "engine-notier",
+            BELADY,
+            "full+pins",
+            "full+tiercover",
+            "full+step-deadline",
+        }
     )
     | PRIORITY_TARGETS
 )
-PLAIN = frozenset({"engine", "engine-notier"})  # straight to the engine
+PLAIN = frozenset({"engine", "engine-notier", BELADY})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
     "engine",
     "engine-notier",
+    BELADY,
     "none",
     "session",
     "full",
@@ -140,6 +156,10 @@ EXTRA_COUNTERS = (
     "kvkeeper_pressure_overrides_total",
     "kvkeeper_prefetches_total",
     "kvkeeper_offloads_total",
+)
+BELADY_COUNTERS = (
+    "kvkeeper_sim_belady_prompt_blocks_total",
+    "kvkeeper_sim_belady_unknown_blocks_total",
 )
 
 
@@ -173,6 +193,7 @@ class TargetRun:
     counters: dict[str, float]
     wall_s: float
     skipped: str | None = None
+    note: str | None = None
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -183,7 +204,7 @@ def split_target(name: str) -> tuple[str, dict[str, Any]]:
 
 
 def plan_targets(
-    requested: Sequence[str], replicas: int, router: str | None
+    requested: Sequence[str], replicas: int, router: str | None, simulated: bool = True
 ) -> list[tuple[str, str | None]]:
     """``(target, reason skipped or None)`` in run order."""
     names = list(requested) or [
@@ -203,6 +224,10 @@ def plan_targets(
         reason = None
         if base in PLAIN and replicas > 1:
             reason = "several replicas: a plain client cannot spread over them"
+        elif base == BELADY and not simulated:
+            reason = "Belady eviction needs the simulator"
+        elif base == BELADY and all(skipped for _, skipped in out):
+            reason = "Belady eviction needs an earlier target's timeline: name it after one"
         elif base in ROUTER_POLICIES and router is None:
             reason = "vllm-router is not installed"
         out.append((name, reason))
@@ -210,7 +235,9 @@ def plan_targets(
 
 
 @contextlib.asynccontextmanager
-async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoints]]:
+async def _engines(
+    spec: CompareSpec, name: str, oracle: Path | None = None
+) -> AsyncIterator[list[SimEndpoints]]:
     """Fresh simulators for target ``name``, or the configured real engines (cache reset)."""
     if spec.engine_urls:
         failed = await reset_prefix_cache(spec.engine_urls)
@@ -226,6 +253,9 @@ async def _engines(spec: CompareSpec, name: str) -> AsyncIterator[list[SimEndpoi
     sim = replace(spec.sim, scheduling_policy="priority") if base in PRIORITY_TARGETS else spec.sim
     if base == "engine-notier":
         sim = replace(sim, cpu_blocks=0)
+    if base == BELADY:
+        assert oracle is not None
+        sim = replace(sim, cpu_blocks=0, cpu_l2_blocks=0, evict_oracle=str(oracle))
     async with start_sims(sim, spec.replicas) as sims:
         yield sims
 
@@ -265,7 +295,9 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
             yield url
 
 
-async def _scrape(url: str, keep: Path | None = None) -> dict[str, float]:
+async def _scrape(
+    url: str, keep: Path | None = None, names: Sequence[str] = EXTRA_COUNTERS
+) -> dict[str, float]:
     """kvkeeper's counters for the report; the whole exposition is kept in ``keep``."""
     try:
         async with (
@@ -279,7 +311,7 @@ async def _scrape(url: str, keep: Path | None = None) -> dict[str, float]:
         return {}
     if keep is not None:
         _write_text(keep, text)
-    return parse_counters(text, EXTRA_COUNTERS)
+    return parse_counters(text, names)
 
 
 def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff ASYNC240)
@@ -287,19 +319,62 @@ def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff
     path.write_text(text)
 
 
-async def run_target(name: str, workload: Workload, spec: CompareSpec, tag: str) -> TargetRun:
-    """Bring up a fresh stack for ``name``, play the workload, tear it down."""
+async def run_target(
+    name: str, workload: Workload, spec: CompareSpec, tag: str, timeline: TargetRun | None = None
+) -> TargetRun:
+    """Bring up a fresh stack for ``name``, play the workload, tear it down; ``timeline``:
+    the run whose sends ``engine-belady``'s oracle is taken from."""
     t0 = time.monotonic()
     base, _ = split_target(name)
     mode = HINTED.get(base, "none")
-    async with _engines(spec, name) as sims, _front(name, sims, spec) as url:
+    oracle: Path | None = None
+    note: str | None = None
+    if base == BELADY:
+        assert timeline is not None and timeline.result is not None
+        oracle = spec.out / "logs" / f"{name}-oracle.json"
+        blocks = await asyncio.to_thread(
+            write_oracle, oracle, workload, timeline.result, spec.sim.hash_seed
+        )
+        note = f"evicts by the future uses of {timeline.name}'s sends ({blocks:,} blocks)"
+    async with _engines(spec, name, oracle) as sims, _front(name, sims, spec) as url:
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
         result = await run_workload(workload, target, options, label=name)
         keep = spec.out / "logs" / f"{name}-metrics.txt"
-        counters = await _scrape(url, keep) if base in HINTED else {}
+        counters = {}
+        if base in HINTED:
+            counters = await _scrape(url, keep)
+        elif base == BELADY:  # the simulator's check that its oracle knew every block
+            counters = await _scrape(url, keep, BELADY_COUNTERS)
     result.save(spec.out / f"{name}.json")
-    return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0)
+    return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0, note=note)
+
+
+def write_oracle(path: Path, workload: Workload, result: RunResult, hash_seed: str) -> int:
+    """Write the Belady oracle of ``result``'s sends (block hashes exactly as the engine
+    computes them from the token ids the runner sends); returns how many blocks it lists."""
+    bt = workload.block_tokens
+    chains = ceiling.BlockChains(bt)
+    hasher = BlockHashCache(bt, hash_seed)
+    known: dict[int, bytes] = {}  # the ceiling's block key -> the engine's block hash
+
+    def uses() -> Iterator[tuple[float, list[bytes]]]:
+        for rec, call in sent_calls(workload, result):
+            pieces = list(call.pieces())
+            keys = chains.keys(pieces)
+            seq = SimSequence("oracle", tokens.render_ids(pieces))
+            for key in keys:
+                if key not in known:
+                    break
+                seq.block_hashes.append(known[key])
+            hasher.update(seq)  # hashes only the blocks after the known prefix
+            known.update(zip(keys, seq.block_hashes, strict=False))
+            yield rec.t_start, seq.block_hashes
+
+    doc = oracle_document(uses(), bt, hash_seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return len(doc["blocks"])
 
 
 # --- ceilings ------------------------------------------------------------------------------------
@@ -353,6 +428,16 @@ def _scripts(sessions: Sequence[SessionScript]) -> Iterator[SessionScript]:
                 yield from _scripts(step.children)
 
 
+def sent_calls(workload: Workload, result: RunResult) -> Iterator[tuple[RequestRecord, Call]]:
+    """Each request of the run with the workload call it sent."""
+    by_id = {s.session_id: s for s in _scripts(workload.sessions)}
+    for rec in result.requests:
+        script = by_id[rec.session_id.split("-", 1)[1]]
+        call = script.steps[rec.turn]
+        assert isinstance(call, Call)
+        yield rec, call
+
+
 def realized_replay(
     workload: Workload, result: RunResult, *, from_first_token: bool = False
 ) -> ceiling.Replay:
@@ -364,13 +449,9 @@ def realized_replay(
     win once the wait in the engine's queue is taken as given: a waiting request holds no
     blocks, and the ``realized`` ceilings, which pin them from the send time, count as won
     what the wait loses."""
-    by_id = {s.session_id: s for s in _scripts(workload.sessions)}
     chains = ceiling.BlockChains(workload.block_tokens)
     reqs = []
-    for rec in result.requests:
-        script = by_id[rec.session_id.split("-", 1)[1]]
-        call = script.steps[rec.turn]
-        assert isinstance(call, Call)
+    for rec, call in sent_calls(workload, result):
         start = rec.t_start + (rec.ttft or 0.0) if from_first_token else rec.t_start
         reqs.append(
             ceiling.Req(
@@ -399,7 +480,7 @@ async def run_compare(workload: Workload, spec: CompareSpec) -> dict[str, Any]:
     """Run every target in turn (``spec.repeats`` rounds); write and return the document."""
     spec.out.mkdir(parents=True, exist_ok=True)
     spec, planned = sized_spec(workload, spec)
-    plan = plan_targets(spec.targets, spec.replicas, spec.router)
+    plan = plan_targets(spec.targets, spec.replicas, spec.router, not spec.engine_urls)
     if spec.repeats <= 1:
         return await _run_round(workload, spec, planned, plan, "")
     rounds: list[dict[str, Any]] = []
@@ -429,7 +510,8 @@ async def _run_round(
             runs.append(TargetRun(name, None, None, {}, 0.0, skipped))
             continue
         print(f"{label}[{i + 1}/{len(plan)}] {name}", flush=True)
-        runs.append(await run_target(name, workload, spec, tag=f"t{i}"))
+        timeline = next((r for r in runs if r.result is not None), None)
+        runs.append(await run_target(name, workload, spec, f"t{i}", timeline))
     doc = compare_document(workload, spec, planned, runs)
     (spec.out / "compare.json").write_text(json.dumps(doc, indent=1))
     (spec.out / "compare.md").write_text(render_markdown(doc))
@@ -446,6 +528,7 @@ AGGREGATED: tuple[tuple[str, ...], ...] = (
     ("ttft", "p90"),
     ("ttft_mean_vs_base",),
     ("ttft_p90_vs_base",),
+    ("ttft_mean_vs_belady",),
     ("recomputed_prompt_tokens",),
     ("retention_prompt_share",),
     ("retention_recomputed_share",),
@@ -525,8 +608,9 @@ def compare_document(
     base = _baseline(runs)
     lru_ref = base["hit_rate"] if base else planned["lru"]
     belady = (realized or planned)["belady"]
+    oracle = next((r.summary for r in runs if r.name == BELADY and r.summary), None)
     for r in runs:
-        doc["targets"][r.name] = _target_entry(r, base, lru_ref, belady)
+        doc["targets"][r.name] = _target_entry(r, base, lru_ref, belady, oracle)
     return doc
 
 
@@ -554,13 +638,22 @@ def _baseline(runs: list[TargetRun]) -> dict[str, Any] | None:
 
 
 def _target_entry(
-    r: TargetRun, base: dict[str, Any] | None, lru_ref: float, belady: float
+    r: TargetRun,
+    base: dict[str, Any] | None,
+    lru_ref: float,
+    belady: float,
+    oracle: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One target's figures; ``oracle``: the ``engine-belady`` run's summary, if any."""
     if r.summary is None:
         return {"skipped": r.skipped}
     s = r.summary
     entry = {k: v for k, v in s.items() if k != "by_agent"}
     entry["wall_s"] = r.wall_s
+    if r.note:
+        entry["note"] = r.note
+    if oracle is not None and oracle["ttft"]["mean"] and s["ttft"]["mean"] is not None:
+        entry["ttft_mean_vs_belady"] = s["ttft"]["mean"] / oracle["ttft"]["mean"] - 1
     entry["counters"] = r.counters
     gap = belady - lru_ref
     hit = s["hit_rate"] or 0.0
@@ -592,19 +685,21 @@ def _sec(v: float | None) -> str:
 def render_markdown(doc: dict[str, Any]) -> str:
     c = doc["ceilings"]
     planned, realized, admitted = c["planned"], c["realized"], c.get("admitted")
+    oracle = any("ttft_mean_vs_belady" in t for t in doc["targets"].values())
     lines = [
         f"### {doc['workload']}: {len(doc['targets'])} targets, pool {planned['C']} blocks "
         f"(peak working set {planned['peak_ws']}"
         + ("; raised to fit the largest request)" if planned.get("raised_to_fit") else ")"),
         "",
         "| target | hit rate | gap closed | TTFT mean s | TTFT p90 s | TTFT mean vs base | "
-        "recomputed prompt tok | retention prompt tok (share) | retention recomputed (share) "
+        + ("TTFT mean vs engine-belady | " if oracle else "")
+        + "recomputed prompt tok | retention prompt tok (share) | retention recomputed (share) "
         "| errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if oracle else ""),
     ]
     for name, t in doc["targets"].items():
         if "skipped" in t:
-            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * 8)
+            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * (9 if oracle else 8))
             continue
         ret = (
             "-"
@@ -622,7 +717,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"| {name} | {_pct(t['hit_rate'])} | {_pct(t['gap_closed'])} | "
             f"{_sec(t['ttft']['mean'])} | {_sec(t['ttft']['p90'])} | "
             f"{_pct(t.get('ttft_mean_vs_base'), signed=True)} | "
-            f"{t['recomputed_prompt_tokens']:,} | {ret} | {rec} | {t['errors']} |"
+            + (f"{_pct(t.get('ttft_mean_vs_belady'), signed=True)} | " if oracle else "")
+            + f"{t['recomputed_prompt_tokens']:,} | {ret} | {rec} | {t['errors']} |"
         )
     lines += [
         "",
@@ -651,6 +747,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "workload's own prompt tokens.",
         "",
     ]
+    lines += [f"- {n}: {t['note']}" for n, t in doc["targets"].items() if t.get("note")]
     counters = {n: t.get("counters") for n, t in doc["targets"].items() if t.get("counters")}
     for name, cnt in counters.items():
         text = ", ".join(
@@ -679,6 +776,7 @@ def render_aggregate(doc: dict[str, Any]) -> str:
         return f"{f.format(fig['mean'])} ({f.format(fig['min'])} to {f.format(fig['max'])})"
 
     planned = doc["ceilings"]["planned"]
+    oracle = any("ttft_mean_vs_belady" in t for t in doc["targets"].values())
     lines = [
         f"### {doc['workload']}: {len(doc['targets'])} targets, {doc['repeats']} rounds, "
         f"pool {planned['C']} blocks (peak working set {planned['peak_ws']})",
@@ -687,12 +785,14 @@ def render_aggregate(doc: dict[str, Any]) -> str:
         "`round-robin`, else `none`); gap closed per round against that round's realized Belady.",
         "",
         "| target | hit rate | hit vs base pp | gap closed | TTFT mean s | TTFT mean vs base "
-        "| TTFT p90 vs base | retention recomputed share | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p90 vs base | "
+        + ("TTFT mean vs engine-belady | " if oracle else "")
+        + "retention recomputed share | errors |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if oracle else ""),
     ]
     for name, t in doc["targets"].items():
         if "skipped" in t:
-            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * 7)
+            lines.append(f"| {name} | skipped: {t['skipped']} |" + " |" * (8 if oracle else 7))
             continue
         errors = t.get("errors", {}).get("max", 0)
         lines.append(
@@ -700,7 +800,8 @@ def render_aggregate(doc: dict[str, Any]) -> str:
             f"{cell(t.get('hit_rate_vs_base_pp'), 'pp')} | {cell(t.get('gap_closed'), 'pct')} | "
             f"{cell(t.get('ttft.mean'), 's')} | {cell(t.get('ttft_mean_vs_base'), 'spct')} | "
             f"{cell(t.get('ttft_p90_vs_base'), 'spct')} | "
-            f"{cell(t.get('retention_recomputed_share'), 'pct')} | {errors:.0f} |"
+            + (f"{cell(t.get('ttft_mean_vs_belady'), 'spct')} | " if oracle else "")
+            + f"{cell(t.get('retention_recomputed_share'), 'pct')} | {errors:.0f} |"
         )
     lines += ["", "| realized ceilings | LRU | Belady | infinite |", "|---|---|---|---|"]
     for name, row in zip(doc["rounds"], doc["ceilings"]["realized"], strict=False):

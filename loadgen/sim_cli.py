@@ -65,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    choices=SCHEDULING_POLICIES,
                    help="waiting-queue order: arrival, or (priority, arrival) with requests' "
                         "`priority` field or X-Vllm-Priority header, as vLLM's flag")  # fmt: skip
+    p.add_argument("--evict-oracle", default=_D.evict_oracle, metavar="FILE",
+                   help="evict by Belady's rule (farthest next use first) from this oracle of "
+                        "future block uses, as `bench compare`'s engine-belady target writes it "
+                        "(default: vLLM's LRU)")  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     p.set_defaults(func=run)
 
@@ -92,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         reply_tokens=args.reply_tokens,
         scheduling_policy=args.scheduling_policy,
+        evict_oracle=args.evict_oracle,
     )
 
 

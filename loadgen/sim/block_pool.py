@@ -12,6 +12,8 @@ Mirrors ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.FreeKVCacheBlockQueu
   popping a cached block evicts it and emits ``BlockRemoved``.
 - Identical blocks are not de-duplicated: two requests computing the same block at once both
   cache it; lookups return the first one cached.
+- Given a :class:`~loadgen.sim.belady.BeladyOracle`, cached free blocks are evicted by Belady's
+  rule instead (farthest next use first; ``loadgen/sim/belady.py``), the rest unchanged.
 
 Pure: no I/O, no asyncio. Events are appended to a caller-supplied list.
 """
@@ -20,8 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from adapters.block_hash import event_id
+
+if TYPE_CHECKING:
+    from loadgen.sim.belady import BeladyFreeQueue, BeladyOracle
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -128,14 +134,25 @@ class BlockPool:
     """Blocks, the free queue and the hash -> cached block map."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, events: list[KVEvent] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        events: list[KVEvent] | None = None,
+        oracle: BeladyOracle | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue: FreeBlockQueue | BeladyFreeQueue
+        self._belady: BeladyFreeQueue | None = None
+        if oracle is None:
+            self.free_queue = FreeBlockQueue(self.blocks)
+        else:
+            from loadgen.sim.belady import BeladyFreeQueue  # that module builds on this one
+
+            self.free_queue = self._belady = BeladyFreeQueue(self.blocks, oracle)
         self.null_block = self.free_queue.popleft()
         self._cached: dict[bytes, dict[int, Block]] = {}
         self.events: list[KVEvent] = events if events is not None else []
@@ -143,6 +160,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         return self.free_queue.num_free
+
+    @property
+    def oracle(self) -> BeladyOracle | None:
+        """The future the pool evicts by (None: LRU)."""
+        return None if self._belady is None else self._belady.oracle
 
     @property
     def usage(self) -> float:
@@ -194,6 +216,16 @@ class BlockPool:
             del self._cached[block_hash]
         self.events.append(BlockRemoved([event_id(block_hash)]))
 
+    def record_use(self, hashes: Iterable[bytes]) -> None:
+        """An admitted request uses these blocks (its prompt's): Belady's oracle moves on."""
+        if self._belady is None:
+            return
+        for block_hash in hashes:
+            self._belady.oracle.advance(block_hash)
+            for block in self._cached.get(block_hash, {}).values():
+                if block.ref_cnt == 0:
+                    self._belady.refresh(block)
+
     def free_blocks(self, ordered: Iterable[Block]) -> None:
         """Release blocks; at ref 0, hashed ones join the tail, unhashed ones the head."""
         reuse_first: list[Block] = []
@@ -240,6 +272,8 @@ class BlockPool:
         self._cached.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self._belady is not None:
+            self._belady.forget_hashes()
         self.events.append(AllBlocksCleared())
         return True
 

@@ -106,6 +106,7 @@ class KVCacheManager:
         else:
             self.stats.queries += seq.num_tokens
             self.stats.hits += hit_tokens
+            self.pool.record_use(seq.block_hashes)
 
     def allocate_slots(
         self,

@@ -67,6 +67,7 @@ class SimConfig:
     max_model_len: int = 131_072
     reply_tokens: int = 16
     scheduling_policy: SchedulingPolicy = "fcfs"
+    evict_oracle: str = ""  # Belady eviction from this oracle file (loadgen/sim/belady.py)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -83,6 +84,7 @@ class SimConfig:
             speed=self.speed,
             reply_tokens=self.reply_tokens,
             scheduling_policy=self.scheduling_policy,
+            evict_oracle=self.evict_oracle,
         )
 
 

@@ -94,6 +94,14 @@ class EngineCollector:
         yield from self._gauges(labels)
         yield self._success(labels)
         yield from self._latencies(labels)
+        if (oracle := e.pool.oracle) is not None:  # the simulator's own: Belady eviction
+            for name, doc, value in (
+                ("prompt_blocks", "Prompt blocks of admitted requests", oracle.admitted),
+                ("unknown_blocks", "Of those, blocks the oracle does not list", oracle.unknown),
+            ):
+                fam = CounterMetricFamily(f"kvkeeper_sim_belady_{name}", doc, labels=[])
+                fam.add_metric([], value)
+                yield fam
 
     def _gauges(self, labels: dict[str, str]) -> Iterator[Metric]:
         e = self._engine

@@ -64,6 +64,10 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
          [("none+priority", None), ("full+priority", None)]),
         (("full+pins@tier_pin_share=0.8", "full@dispatch_ahead=2@budget_share=0.3"), 1, None,
          [("full+pins@tier_pin_share=0.8", None), ("full@dispatch_ahead=2@budget_share=0.3", None)]),
+        (("engine", "engine-belady"), 1, None, [("engine", None), ("engine-belady", None)]),
+        (("engine-belady", "engine"), 1, None,
+         [("engine-belady", "Belady eviction needs an earlier target's timeline: name it after "
+                            "one"), ("engine", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),
           ("vllm-router", "vllm-router is not installed")]),
@@ -76,6 +80,11 @@ def test_plan_targets(
     expected: list[tuple[str, str | None]],
 ) -> None:
     assert plan_targets(requested, replicas, router) == expected
+
+
+def test_plan_skips_belady_on_real_engines() -> None:
+    plan = plan_targets(("engine", "engine-belady"), 1, None, simulated=False)
+    assert plan[1] == ("engine-belady", "Belady eviction needs the simulator")
 
 
 def test_plan_rejects_unknown_target() -> None:
@@ -168,6 +177,33 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     assert "| full |" in table
     assert "realized (engine)" in table
     assert "realized, held from the first token (engine)" in table
+
+
+async def test_belady_engine_evicts_by_the_first_targets_sends(tmp_path: Path) -> None:
+    workload = small_swarm()
+    doc = await run_compare(workload, spec(tmp_path, ("engine", "engine-belady"), 0.3))
+    out = tmp_path / "cmp"
+    engine, belady = doc["targets"]["engine"], doc["targets"]["engine-belady"]
+    assert belady["requests"] == engine["requests"] == workload.n_calls()
+    assert belady["errors"] == 0
+    # the oracle lists every prompt block of the run, hashed as the engine hashes them: the
+    # engine found each block it admitted in it
+    oracle = json.loads((out / "logs" / "engine-belady-oracle.json").read_text())
+    chains = ceiling.BlockChains(workload.block_tokens)
+    keys = {k for c in workload.calls() for k in chains.keys(c.pieces())}
+    assert len(oracle["blocks"]) == len(keys)
+    assert belady["counters"]["kvkeeper_sim_belady_unknown_blocks_total"] == 0
+    admitted = belady["counters"]["kvkeeper_sim_belady_prompt_blocks_total"]
+    assert admitted >= belady["prompt_tokens"] // workload.block_tokens - workload.n_calls()
+    assert "engine's sends" in belady["note"]
+    # every target is also set against it
+    assert belady["ttft_mean_vs_belady"] == pytest.approx(0.0)
+    assert engine["ttft_mean_vs_belady"] == pytest.approx(
+        engine["ttft"]["mean"] / belady["ttft"]["mean"] - 1
+    )
+    table = (out / "compare.md").read_text()
+    assert "TTFT mean vs engine-belady" in table
+    assert "- engine-belady: evicts by the future uses of engine's sends" in table
 
 
 async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@
 # ONLY=trace-n8-p25,swarm-p50 runs a subset of the settings; REPEATS=3 plays each comparison three
 # times (mean and range per figure); TARGETS=engine,none,full (one replica) and
 # R2_TARGETS=none,full,round-robin,vllm-router (two replicas) run fewer targets.
+# Targets run only when named, e.g. TARGETS=engine,engine-belady,full+priority: the same engine
+# evicting by Belady's rule from the first target's sends, and cache-aware admission order.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${1:-results/sim_compare}

@@ -13,6 +13,9 @@ from loadgen.sim.block_pool import Block, BlockPool
 from loadgen.sim.engine import EngineConfig, Finished, SimEngine, SimRequest
 from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
 from loadgen.sim.profiles import INSTANT
+from loadgen.sim.server import SimConfig, config_argv
+from loadgen.sim_cli import config_from_args
+from proxy.cli import build_parser
 
 BS = 4
 P = list(range(100, 112))  # three full blocks each, nothing shared
@@ -121,3 +124,12 @@ async def test_the_engine_evicts_by_its_oracle_file(tmp_path: Path) -> None:
             await engine.stop()
     # the reply's token fills no block, so each request holds its prompt's three blocks
     assert got == {"lru": [0, 0, 0, 4], "belady": [0, 0, 0, 8]}
+
+
+def test_every_simulator_setting_survives_the_trip_to_its_process() -> None:
+    config = SimConfig(
+        port=8123, num_blocks=99, block_size=16, cpu_blocks=64, cpu_l2_blocks=32,
+        scheduling_policy="priority", evict_oracle="/tmp/oracle.json", replay_port=None,
+    )  # fmt: skip
+    args = build_parser().parse_args(["sim", *config_argv(config)])
+    assert config_from_args(args) == config

@@ -197,7 +197,11 @@ class AnchorKeeper:
             now,
             # the soft-TTL budget's rule: the share shrinks as traffic needs the space
             max_blocks=effective_budget(
-                es.load, BudgetConfig(share=self.settings.anchor_pool_share)
+                es.load,
+                BudgetConfig(
+                    share=self.settings.anchor_pool_share,
+                    min_factor=self.settings.anchor_min_factor,
+                ),
             )[0],
             urgent_blocks=self.settings.safety_fraction * es.load.free_blocks,
             slots=self.settings.max_concurrent_touches

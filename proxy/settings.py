@@ -145,6 +145,8 @@ class RetentionSettings(BaseModel):
     anchors: bool = False
     anchor_min_demand: float = Field(default=0.5, ge=0)  # expected next calls to keep one
     anchor_pool_share: float = Field(default=0.25, gt=0, le=1)  # anchor blocks / pool blocks
+    # share of anchor_pool_share anchors keep at full pressure (the soft-TTL budget's min_factor)
+    anchor_min_factor: float = Field(default=0.1, ge=0, le=1)
     anchor_window_s: float = Field(default=30.0, gt=0)  # a session idle longer stops counting
     anchor_min_blocks: int = Field(default=4, gt=0)  # a shorter common prefix is no anchor
     anchor_relearn_calls: int = Field(default=200, gt=0)  # learn again after this many calls

@@ -16,7 +16,10 @@ traffic the recompute therefore stays within ``share`` x served + ``burst_tokens
 the requests in flight at its end overshoot their estimates.
 
 A touch's cost is not known in advance (it depends on what LRU takes while it waits), so the
-budget keeps a running estimate: an exponentially weighted mean of recent touches' recompute.
+budget keeps a running estimate per kind of touch: an exponentially weighted mean of recent
+touches' recompute. Kinds differ: a session's touch races LRU for the tail of a context that
+has been idle, an agent anchor's touch re-sends whole blocks its agent's calls keep recent (one
+token when resident), so one estimate for both would price anchors out at the sessions' cost.
 
 Pure: nothing here does I/O or reads a clock.
 """
@@ -49,14 +52,24 @@ class OverheadConfig:
 class OverheadBudget:
     """One engine's retention budget (see the module docstring)."""
 
-    __slots__ = ("config", "credit", "declined", "spent", "touch_estimate")
+    __slots__ = ("_initial_estimate", "config", "credit", "declined", "estimates", "spent")
 
     def __init__(self, config: OverheadConfig | None = None, touch_estimate: float = 1.0) -> None:
         self.config = config or OverheadConfig()
         self.credit = self.config.burst_tokens
-        self.touch_estimate = max(1.0, touch_estimate)  # a resident prefix costs one token
+        self._initial_estimate = max(1.0, touch_estimate)  # a resident prefix costs one token
+        self.estimates: dict[str, float] = {}  # kind of touch -> running recompute estimate
         self.spent = 0.0  # recomputed tokens settled so far
         self.declined = 0  # admissions refused so far
+
+    def estimate(self, kind: str = "session") -> float:
+        """The running recompute estimate of one kind of touch."""
+        return self.estimates.get(kind, self._initial_estimate)
+
+    @property
+    def touch_estimate(self) -> float:
+        """The sessions' touch estimate."""
+        return self.estimate()
 
     @property
     def bounded(self) -> bool:
@@ -82,19 +95,22 @@ class OverheadBudget:
         self.credit -= cost
         return True
 
-    def admit_touch(self) -> float | None:
-        """Admit a touch at the running estimate; the amount reserved, or None if declined."""
-        cost = math.ceil(self.touch_estimate)
+    def admit_touch(self, kind: str = "session") -> float | None:
+        """Admit a touch of ``kind`` at its running estimate; the amount reserved, or None if
+        declined."""
+        cost = math.ceil(self.estimate(kind))
         return float(cost) if self.admit(cost) else None
 
-    def settle(self, reserved: float, recomputed: float, *, touch: bool = False) -> None:
+    def settle(
+        self, reserved: float, recomputed: float, *, touch: bool = False, kind: str = "session"
+    ) -> None:
         """A request admitted with ``reserved`` credit ended having recomputed ``recomputed``
-        tokens (0 when abandoned before it ran); a touch also updates the estimate."""
+        tokens (0 when abandoned before it ran); a touch also updates its kind's estimate."""
         actual = max(0.0, recomputed)
         self.spent += actual
         if touch:
-            a = self.config.touch_alpha
-            self.touch_estimate = max(1.0, self.touch_estimate + a * (actual - self.touch_estimate))
+            a, old = self.config.touch_alpha, self.estimate(kind)
+            self.estimates[kind] = max(1.0, old + a * (actual - old))
         if self.config.share is None:
             return
         self.credit = min(self.config.burst_tokens, self.credit + reserved - actual)

@@ -46,8 +46,9 @@ log = logging.getLogger("kvkeeper.anchors")
 # runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
 InTime = Callable[["EngineState", Awaitable[TouchResult]], Awaitable[TouchResult | None]]
 # runs a touch as one of the retention layer's tasks, then the callback
-Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None]], None]
+Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None], str], None]
 
+ANCHOR_TOUCH = "anchor"  # the overhead budget's kind of touch (its own recompute estimate)
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
 
@@ -210,13 +211,17 @@ class AnchorKeeper:
         )
         for anchor_id in chosen:
             anchor, view = views[anchor_id]
-            reserved = es.overhead.admit_touch()
+            reserved = es.overhead.admit_touch(ANCHOR_TOUCH)
             if reserved is None:
                 self.metrics.anchor_touches.labels(es.engine.name, "over_budget").inc()
                 continue
             anchor.in_flight = True
             self._track(
-                es, self._touch(es, anchor, view.resident_blocks), reserved, anchor.touch_done
+                es,
+                self._touch(es, anchor, view.resident_blocks),
+                reserved,
+                anchor.touch_done,
+                ANCHOR_TOUCH,
             )
 
     async def _learn(self, es: EngineState, anchor: Anchor) -> None:

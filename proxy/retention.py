@@ -63,7 +63,7 @@ from policy import (
 )
 from policy.anchors import common_prefix
 from policy.horizon import RateMeter, fill_time_horizon
-from proxy.anchors import AnchorKeeper
+from proxy.anchors import ANCHOR_TOUCH, AnchorKeeper
 from proxy.context import RecordedContext, decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -744,10 +744,11 @@ class Retention:
         touch: Coroutine[Any, Any, int],
         reserved: float,
         on_done: Callable[[], None],
+        kind: str = "session",
     ) -> None:
         """Run a touch (returning the prompt tokens it recomputed) as a task that ``stop``
         cancels; when it ends, settle the overhead credit ``reserved`` for it with what it
-        recomputed, then ``on_done``."""
+        recomputed (``kind``: whose estimate it updates), then ``on_done``."""
         task = asyncio.create_task(touch)
         self._touches.add(task)
 
@@ -759,7 +760,7 @@ class Retention:
                     log.error("touch on %s failed", es.engine.name, exc_info=exc)
                 else:
                     recomputed = t.result()
-            es.overhead.settle(reserved, recomputed, touch=True)
+            es.overhead.settle(reserved, recomputed, touch=True, kind=kind)
             on_done()
 
         task.add_done_callback(done)
@@ -944,6 +945,7 @@ class Retention:
                 "earned_from": "engine" if es.queries_seen is not None else "proxy",
                 "credit_tokens": round(es.overhead.credit, 1),
                 "touch_estimate_tokens": round(es.overhead.touch_estimate, 1),
+                "anchor_touch_estimate_tokens": round(es.overhead.estimate(ANCHOR_TOUCH), 1),
                 "recomputed_tokens": int(es.overhead.spent),
                 "declined": es.overhead.declined,
             },

@@ -71,7 +71,7 @@ from loadgen import ceiling, tokens
 from loadgen.bench_cli import _add_workload_args, workload_from_args
 from loadgen.metrics import parse_counters, summarize
 from loadgen.runner import RequestRecord, RunOptions, RunResult, Target, run_workload
-from loadgen.sim.belady import oracle_document
+from loadgen.sim.belady import EvictRule, oracle_document
 from loadgen.sim.engine import SCHEDULING_POLICIES
 from loadgen.sim.kv_manager import BlockHashCache
 from loadgen.sim.kv_manager import Sequence as SimSequence
@@ -118,12 +118,15 @@ TARGET_RETENTION: dict[str, dict[str, Any]] = {
 PRIORITY_TARGETS = frozenset({"none+priority", "full+priority"})  # their engines: priority policy
 # A/B of one setting: run only when named
 BELADY = "engine-belady"  # vanilla engine evicting by the recorded future (loadgen.sim.belady)
+DEAD_FIRST = "engine-deadfirst"  # ... dropping only blocks never used again first, else LRU
+ORACLE_RULES: dict[str, EvictRule] = {BELADY: "belady", DEAD_FIRST: "dead-first"}
 ON_REQUEST = (
     frozenset(
         {
             "full+unbounded",
             "engine-notier",
             BELADY,
+            DEAD_FIRST,
             "full+pins",
             "full+tiercover",
             "full+step-deadline",
@@ -131,12 +134,13 @@ ON_REQUEST = (
     )
     | PRIORITY_TARGETS
 )
-PLAIN = frozenset({"engine", "engine-notier", BELADY})  # straight to the engine
+PLAIN = frozenset({"engine", "engine-notier", BELADY, DEAD_FIRST})  # straight to the engine
 ROUTER_POLICIES = {"round-robin": "round_robin", "vllm-router": "cache_aware"}
 TARGETS = (
     "engine",
     "engine-notier",
     BELADY,
+    DEAD_FIRST,
     "none",
     "session",
     "full",
@@ -225,10 +229,10 @@ def plan_targets(
         reason = None
         if base in PLAIN and replicas > 1:
             reason = "several replicas: a plain client cannot spread over them"
-        elif base == BELADY and not simulated:
-            reason = "Belady eviction needs the simulator"
-        elif base == BELADY and all(skipped for _, skipped in out):
-            reason = "Belady eviction needs an earlier target's timeline: name it after one"
+        elif base in ORACLE_RULES and not simulated:
+            reason = "eviction by the future needs the simulator"
+        elif base in ORACLE_RULES and all(skipped for _, skipped in out):
+            reason = "eviction by the future needs an earlier target's timeline: name it after one"
         elif base in ROUTER_POLICIES and router is None:
             reason = "vllm-router is not installed"
         out.append((name, reason))
@@ -254,9 +258,15 @@ async def _engines(
     sim = replace(spec.sim, scheduling_policy="priority") if base in PRIORITY_TARGETS else spec.sim
     if base == "engine-notier":
         sim = replace(sim, cpu_blocks=0)
-    if base == BELADY:
+    if base in ORACLE_RULES:
         assert oracle is not None
-        sim = replace(sim, cpu_blocks=0, cpu_l2_blocks=0, evict_oracle=str(oracle))
+        sim = replace(
+            sim,
+            cpu_blocks=0,
+            cpu_l2_blocks=0,
+            evict_oracle=str(oracle),
+            evict_rule=ORACLE_RULES[base],
+        )
     async with start_sims(sim, spec.replicas) as sims:
         yield sims
 
@@ -324,19 +334,20 @@ async def run_target(
     name: str, workload: Workload, spec: CompareSpec, tag: str, timeline: TargetRun | None = None
 ) -> TargetRun:
     """Bring up a fresh stack for ``name``, play the workload, tear it down; ``timeline``:
-    the run whose sends ``engine-belady``'s oracle is taken from."""
+    the run whose sends the oracle of ``engine-belady`` (or ``engine-deadfirst``) is taken from."""
     t0 = time.monotonic()
     base, _ = split_target(name)
     mode = HINTED.get(base, "none")
     oracle: Path | None = None
     note: str | None = None
-    if base == BELADY:
+    if base in ORACLE_RULES:
         assert timeline is not None and timeline.result is not None
         oracle = spec.out / "logs" / f"{name}-oracle.json"
         blocks = await asyncio.to_thread(
             write_oracle, oracle, workload, timeline.result, spec.sim.hash_seed
         )
-        note = f"evicts by the future uses of {timeline.name}'s sends ({blocks:,} blocks)"
+        rule = "" if base == BELADY else ", dead blocks first, then LRU"
+        note = f"evicts by the future uses of {timeline.name}'s sends ({blocks:,} blocks{rule})"
     async with _engines(spec, name, oracle) as sims, _front(name, sims, spec) as url:
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
@@ -345,7 +356,7 @@ async def run_target(
         counters = {}
         if base in HINTED:
             counters = await _scrape(url, keep)
-        elif base == BELADY:  # the simulator's check that its oracle knew every block
+        elif base in ORACLE_RULES:  # the simulator's check that its oracle knew every block
             counters = await _scrape(url, keep, BELADY_COUNTERS)
     result.save(spec.out / f"{name}.json")
     return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0, note=note)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 
+from loadgen.sim.belady import EVICT_RULES
 from loadgen.sim.engine import SCHEDULING_POLICIES
 from loadgen.sim.profiles import PROFILES
 from loadgen.sim.server import SimConfig, serve_forever
@@ -69,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="evict by Belady's rule (farthest next use first) from this oracle of "
                         "future block uses, as `bench compare`'s engine-belady target writes it "
                         "(default: vLLM's LRU)")  # fmt: skip
+    p.add_argument("--evict-rule", default=_D.evict_rule, choices=EVICT_RULES,
+                   help="with --evict-oracle: belady, or dead-first (blocks never used again "
+                        "first, then vLLM's LRU: what an exact evict-on-finish hint gives)")  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="Python logging level (stderr)")
     p.set_defaults(func=run)
 
@@ -97,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         reply_tokens=args.reply_tokens,
         scheduling_policy=args.scheduling_policy,
         evict_oracle=args.evict_oracle,
+        evict_rule=args.evict_rule,
     )
 
 

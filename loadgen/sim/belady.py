@@ -14,6 +14,11 @@ has admitted (:meth:`BeladyOracle.advance`), so a block admitted ``k`` times nex
 ``k``-th listed time. Counting uses instead of reading the clock keeps the oracle right when
 the engine runs faster or slower than the run it was taken from: only the order in which
 sessions reach a shared block can drift, not which use comes next.
+
+``--evict-rule dead-first`` uses the same oracle for less: blocks nobody will use again go first
+(deepest first), everything else in vLLM's LRU order. That is the engine an exact "this context
+is finished" hint would give (the RFC's evict on a finished branch, per block), and so separates
+what Belady wins by dropping dead context from what it wins by ordering the live.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loadgen.sim.block_pool import Block, FreeBlockQueue
 
+EvictRule = Literal["belady", "dead-first"]
+EVICT_RULES: tuple[EvictRule, ...] = ("belady", "dead-first")
 NEVER = math.inf
 _UNKNOWN_DEPTH = 1 << 30  # blocks the oracle does not list (generated tokens): deepest
 
@@ -102,14 +109,23 @@ class BeladyFreeQueue:
     """:class:`FreeBlockQueue`'s interface, evicting by the oracle.
 
     Empty (hash-less) free blocks are handed out first, in vLLM's order; cached ones wait in a
-    max-heap on (next use, depth). Entries are invalidated lazily: a block taken back by a
-    hit, or re-keyed by :meth:`refresh`, leaves a stale entry that ``popleft`` skips."""
+    heap: ``belady``, the farthest next use first (then the deepest); ``dead-first``, the
+    blocks never used again first (the deepest first), then the least recently freed. Entries
+    are invalidated lazily: a block taken back by a hit, or re-keyed by :meth:`refresh`, leaves
+    a stale entry that ``popleft`` skips."""
 
-    def __init__(self, blocks: Sequence[Block], oracle: BeladyOracle) -> None:
+    def __init__(
+        self, blocks: Sequence[Block], oracle: BeladyOracle, rule: EvictRule = "belady"
+    ) -> None:
+        if rule not in EVICT_RULES:
+            raise ValueError(f"unknown eviction rule {rule!r}; choose from {EVICT_RULES}")
         self.oracle = oracle
+        self.rule = rule
         self._empty = FreeBlockQueue(())
-        self._heap: list[tuple[float, int, int, Block]] = []
+        # (key, depth key, order freed, stamp, block): min-heap, the next to evict on top
+        self._heap: list[tuple[float, int, int, int, Block]] = []
         self._cached: dict[int, int] = {}  # block id -> stamp of its live heap entry
+        self._freed_at: dict[int, int] = {}  # block id -> when it was freed (LRU order)
         self._stamps = itertools.count()
         for block in blocks:
             self.append(block)
@@ -122,55 +138,70 @@ class BeladyFreeQueue:
         if self._empty.num_free:
             return self._empty.popleft()
         while self._heap:
-            _, _, stamp, block = heapq.heappop(self._heap)
+            *_, stamp, block = heapq.heappop(self._heap)
             if self._cached.get(block.block_id) == stamp:
-                del self._cached[block.block_id]
+                del self._cached[block.block_id], self._freed_at[block.block_id]
                 return block
         raise ValueError("no free blocks")
 
     def remove(self, block: Block) -> None:
         if self._cached.pop(block.block_id, None) is None:
             self._empty.remove(block)
+        else:
+            del self._freed_at[block.block_id]
 
     def prepend_n(self, blocks: Sequence[Block]) -> None:
         empty = [b for b in blocks if b.block_hash is None]
         self._empty.prepend_n(empty)
         for block in blocks:
             if block.block_hash is not None:
-                self._push(block)
+                self._push(block, freed=True)
 
     def append(self, block: Block) -> None:
         if block.block_hash is None:
             self._empty.append(block)
         else:
-            self._push(block)
+            self._push(block, freed=True)
 
     def refresh(self, block: Block) -> None:
-        """Re-key a free cached block whose next use moved (a request used its hash)."""
+        """Re-key a free cached block whose next use moved (a request used its hash); it keeps
+        its place in LRU order."""
         if block.block_id in self._cached:
-            self._push(block)
+            self._push(block, freed=False)
 
     def forget_hashes(self) -> None:
         """Every block lost its hash (a prefix-cache reset): all are empty now."""
         blocks = list(self)
         self._heap.clear()
         self._cached.clear()
+        self._freed_at.clear()
         self._empty = FreeBlockQueue(blocks)
 
-    def _push(self, block: Block) -> None:
+    def _live(self, entry: tuple[float, int, int, int, Block]) -> bool:
+        return self._cached.get(entry[4].block_id) == entry[3]
+
+    def _push(self, block: Block, *, freed: bool) -> None:
         assert block.block_hash is not None
         stamp = next(self._stamps)
         self._cached[block.block_id] = stamp
+        if freed:
+            self._freed_at[block.block_id] = stamp
+        order = self._freed_at[block.block_id]
         nxt = self.oracle.next_use(block.block_hash)
-        depth = self.oracle.depth(block.block_hash)
-        heapq.heappush(self._heap, (-nxt, -depth, stamp, block))
+        depth = -self.oracle.depth(block.block_hash)
+        if self.rule == "belady":
+            entry = (-nxt, depth, stamp, stamp, block)
+        elif nxt == NEVER:  # dead-first: dead blocks, deepest first...
+            entry = (-NEVER, depth, order, stamp, block)
+        else:  # ... then everything else least recently freed first, as vLLM's LRU
+            entry = (0.0, 0, order, stamp, block)
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 4 * len(self._cached) + 64:  # drop the stale entries
-            self._heap = [e for e in self._heap if self._cached.get(e[3].block_id) == e[2]]
+            self._heap = [e for e in self._heap if self._live(e)]
             heapq.heapify(self._heap)
 
     def __iter__(self) -> Iterator[Block]:
         """Free blocks, next to be evicted first."""
         yield from self._empty
-        live = [e for e in self._heap if self._cached.get(e[3].block_id) == e[2]]
-        for entry in sorted(live):
-            yield entry[3]
+        for entry in sorted(e for e in self._heap if self._live(e)):
+            yield entry[4]

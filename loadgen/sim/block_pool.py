@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from adapters.block_hash import event_id
 
 if TYPE_CHECKING:
-    from loadgen.sim.belady import BeladyFreeQueue, BeladyOracle
+    from loadgen.sim.belady import BeladyFreeQueue, BeladyOracle, EvictRule
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -139,6 +139,7 @@ class BlockPool:
         block_size: int,
         events: list[KVEvent] | None = None,
         oracle: BeladyOracle | None = None,
+        evict_rule: EvictRule = "belady",
     ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the null block)")
@@ -152,7 +153,7 @@ class BlockPool:
         else:
             from loadgen.sim.belady import BeladyFreeQueue  # that module builds on this one
 
-            self.free_queue = self._belady = BeladyFreeQueue(self.blocks, oracle)
+            self.free_queue = self._belady = BeladyFreeQueue(self.blocks, oracle, evict_rule)
         self.null_block = self.free_queue.popleft()
         self._cached: dict[bytes, dict[int, Block]] = {}
         self.events: list[KVEvent] = events if events is not None else []

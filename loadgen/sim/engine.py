@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loadgen.sim.belady import BeladyOracle
+from loadgen.sim.belady import BeladyOracle, EvictRule
 from loadgen.sim.block_pool import BlockPool, KVEvent
 from loadgen.sim.cpu_tier import CpuTier
 from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
@@ -59,6 +59,7 @@ class EngineConfig:
     speed: float = 1.0  # >1 runs faster than the profile
     reply_tokens: int = 16  # length of the canned answer before EOS
     evict_oracle: str = ""  # a Belady oracle file: evict by future use, not LRU (belady.py)
+    evict_rule: EvictRule = "belady"  # with an oracle: Belady, or dead blocks first then LRU
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,9 @@ class SimEngine:
             if config.evict_oracle
             else None
         )
-        self.pool = BlockPool(config.num_blocks, config.block_size, self.events, oracle)
+        self.pool = BlockPool(
+            config.num_blocks, config.block_size, self.events, oracle, config.evict_rule
+        )
         self.kv = KVCacheManager(self.pool, BlockHashCache(config.block_size, config.hash_seed))
         chunks = config.cpu_blocks * config.block_size // 256
         l2_chunks = config.cpu_l2_blocks * config.block_size // 256

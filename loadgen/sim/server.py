@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from loadgen.sim import routes_misc, routes_openai
 from loadgen.sim.api import ENGINE, MODEL, REPLY, TOKENIZER, error_middleware
+from loadgen.sim.belady import EvictRule
 from loadgen.sim.engine import EngineConfig, SchedulingPolicy, SimEngine
 from loadgen.sim.events import EventPublisher
 from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
@@ -68,6 +69,7 @@ class SimConfig:
     reply_tokens: int = 16
     scheduling_policy: SchedulingPolicy = "fcfs"
     evict_oracle: str = ""  # Belady eviction from this oracle file (loadgen/sim/belady.py)
+    evict_rule: EvictRule = "belady"  # or "dead-first": only never-used-again blocks go first
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -85,6 +87,7 @@ class SimConfig:
             reply_tokens=self.reply_tokens,
             scheduling_policy=self.scheduling_policy,
             evict_oracle=self.evict_oracle,
+            evict_rule=self.evict_rule,
         )
 
 

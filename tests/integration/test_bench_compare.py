@@ -66,7 +66,7 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
          [("full+pins@tier_pin_share=0.8", None), ("full@dispatch_ahead=2@budget_share=0.3", None)]),
         (("engine", "engine-belady"), 1, None, [("engine", None), ("engine-belady", None)]),
         (("engine-belady", "engine"), 1, None,
-         [("engine-belady", "Belady eviction needs an earlier target's timeline: name it after "
+         [("engine-belady", "eviction by the future needs an earlier target's timeline: name it after "
                             "one"), ("engine", None)]),
         (("engine", "vllm-router"), 2, None,
          [("engine", "several replicas: a plain client cannot spread over them"),
@@ -84,7 +84,7 @@ def test_plan_targets(
 
 def test_plan_skips_belady_on_real_engines() -> None:
     plan = plan_targets(("engine", "engine-belady"), 1, None, simulated=False)
-    assert plan[1] == ("engine-belady", "Belady eviction needs the simulator")
+    assert plan[1] == ("engine-belady", "eviction by the future needs the simulator")
 
 
 def test_plan_rejects_unknown_target() -> None:
@@ -181,7 +181,8 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
 
 async def test_belady_engine_evicts_by_the_first_targets_sends(tmp_path: Path) -> None:
     workload = small_swarm()
-    doc = await run_compare(workload, spec(tmp_path, ("engine", "engine-belady"), 0.3))
+    targets = ("engine", "engine-belady", "engine-deadfirst")
+    doc = await run_compare(workload, spec(tmp_path, targets, 0.3))
     out = tmp_path / "cmp"
     engine, belady = doc["targets"]["engine"], doc["targets"]["engine-belady"]
     assert belady["requests"] == engine["requests"] == workload.n_calls()
@@ -204,6 +205,11 @@ async def test_belady_engine_evicts_by_the_first_targets_sends(tmp_path: Path) -
     table = (out / "compare.md").read_text()
     assert "TTFT mean vs engine-belady" in table
     assert "- engine-belady: evicts by the future uses of engine's sends" in table
+    # the dead-first engine reads the same oracle (its own copy) and finds every block in it
+    dead = doc["targets"]["engine-deadfirst"]
+    assert dead["errors"] == 0 and dead["counters"]["kvkeeper_sim_belady_unknown_blocks_total"] == 0
+    assert (out / "logs" / "engine-deadfirst-oracle.json").read_text() == json.dumps(oracle)
+    assert "dead blocks first, then LRU" in dead["note"]
 
 
 async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None:

@@ -64,6 +64,40 @@ def test_the_block_used_soonest_survives_where_lru_loses_it() -> None:
     assert order == [p[2], p[2], r[1], p[1], q[0], r[0], p[0]]
 
 
+@pytest.mark.parametrize(
+    ("q_again", "expected"),
+    [
+        (False, {"lru": 4, "dead-first": 8, "belady": 8}),  # Q is dead once it ran
+        (True, {"lru": 4, "dead-first": 4, "belady": 8}),  # Q comes back, after P
+    ],
+)
+def test_dead_first_drops_only_what_is_never_used_again(
+    q_again: bool, expected: dict[str, int]
+) -> None:
+    """P, Q, R fill and overflow the pool, then P comes back: what P still hits."""
+    uses = [(0.0, P), (1.0, Q), (2.0, R), (3.0, P)] + ([(4.0, Q)] if q_again else [])
+    got = {"lru": play(KVCacheManager(BlockPool(8, BS), BlockHashCache(BS, "0")), P, Q, R, P)[3]}
+    for rule in ("dead-first", "belady"):
+        pool = BlockPool(8, BS, oracle=oracle_for(*uses), evict_rule=rule)  # type: ignore[arg-type]
+        got[rule] = play(KVCacheManager(pool, BlockHashCache(BS, "0")), P, Q, R, P)[3]
+    assert got == expected
+
+
+def test_dead_first_keeps_lru_order_among_the_living() -> None:
+    a, b, c = (Block(i, block_hash=h) for i, h in ((1, b"a"), (2, b"b"), (3, b"c")))
+    oracle = BeladyOracle({b"a": [9.0], b"b": [1.0], b"c": [5.0]}, {b"a": 0, b"b": 0, b"c": 0})
+    queue = BeladyFreeQueue([a, b, c], oracle, "dead-first")
+    assert [blk.block_id for blk in queue] == [1, 2, 3]  # freed in that order: LRU
+    oracle.advance(b"b")  # b's only use was admitted elsewhere: b is dead now...
+    queue.refresh(b)
+    assert [blk.block_id for blk in queue] == [2, 1, 3]  # ...and goes first
+    oracle.advance(b"a")
+    queue.refresh(a)  # a dead too: the dead go deepest first, then in the order freed
+    assert [queue.popleft().block_id for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(ValueError, match="unknown eviction rule"):
+        BeladyFreeQueue([], oracle, "mru")  # type: ignore[arg-type]
+
+
 def test_a_use_that_misses_still_moves_the_blocks_next_use() -> None:
     a, b = Block(1, block_hash=b"a"), Block(2, block_hash=b"b")
     oracle = BeladyOracle({b"a": [1.0, 10.0], b"b": [5.0]}, {b"a": 0, b"b": 0})
@@ -129,7 +163,8 @@ async def test_the_engine_evicts_by_its_oracle_file(tmp_path: Path) -> None:
 def test_every_simulator_setting_survives_the_trip_to_its_process() -> None:
     config = SimConfig(
         port=8123, num_blocks=99, block_size=16, cpu_blocks=64, cpu_l2_blocks=32,
-        scheduling_policy="priority", evict_oracle="/tmp/oracle.json", replay_port=None,
+        scheduling_policy="priority", evict_oracle="/tmp/oracle.json", evict_rule="dead-first",
+        replay_port=None,
     )  # fmt: skip
     args = build_parser().parse_args(["sim", *config_argv(config)])
     assert config_from_args(args) == config

@@ -94,7 +94,7 @@ class EngineCollector:
         yield from self._gauges(labels)
         yield self._success(labels)
         yield from self._latencies(labels)
-        if (oracle := e.pool.oracle) is not None:  # the simulator's own: Belady eviction
+        if (oracle := e.pool.oracle) is not None:  # the simulator's own: evicting by the future
             for name, doc, value in (
                 ("prompt_blocks", "Prompt blocks of admitted requests", oracle.admitted),
                 ("unknown_blocks", "Of those, blocks the oracle does not list", oracle.unknown),

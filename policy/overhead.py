@@ -29,6 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+SESSION_TOUCH = "session"  # kinds of touch, each with its own running recompute estimate
+ANCHOR_TOUCH = "anchor"
+
 
 @dataclass(frozen=True, slots=True)
 class OverheadConfig:
@@ -62,7 +65,7 @@ class OverheadBudget:
         self.spent = 0.0  # recomputed tokens settled so far
         self.declined = 0  # admissions refused so far
 
-    def estimate(self, kind: str = "session") -> float:
+    def estimate(self, kind: str = SESSION_TOUCH) -> float:
         """The running recompute estimate of one kind of touch."""
         return self.estimates.get(kind, self._initial_estimate)
 
@@ -95,14 +98,14 @@ class OverheadBudget:
         self.credit -= cost
         return True
 
-    def admit_touch(self, kind: str = "session") -> float | None:
+    def admit_touch(self, kind: str = SESSION_TOUCH) -> float | None:
         """Admit a touch of ``kind`` at its running estimate; the amount reserved, or None if
         declined."""
         cost = math.ceil(self.estimate(kind))
         return float(cost) if self.admit(cost) else None
 
     def settle(
-        self, reserved: float, recomputed: float, *, touch: bool = False, kind: str = "session"
+        self, reserved: float, recomputed: float, *, touch: bool = False, kind: str = SESSION_TOUCH
     ) -> None:
         """A request admitted with ``reserved`` credit ended having recomputed ``recomputed``
         tokens (0 when abandoned before it ran); a touch also updates its kind's estimate."""

@@ -34,6 +34,7 @@ from policy.anchors import (
     plan_anchor_touches,
 )
 from policy.budget import BudgetConfig, effective_budget
+from policy.overhead import ANCHOR_TOUCH
 from policy.predictor import TransitionModel
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -48,7 +49,6 @@ InTime = Callable[["EngineState", Awaitable[TouchResult]], Awaitable[TouchResult
 # runs a touch as one of the retention layer's tasks, then the callback
 Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None], str], None]
 
-ANCHOR_TOUCH = "anchor"  # the overhead budget's kind of touch (its own recompute estimate)
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
 

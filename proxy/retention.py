@@ -63,7 +63,8 @@ from policy import (
 )
 from policy.anchors import common_prefix
 from policy.horizon import RateMeter, fill_time_horizon
-from proxy.anchors import ANCHOR_TOUCH, AnchorKeeper
+from policy.overhead import ANCHOR_TOUCH, SESSION_TOUCH
+from proxy.anchors import AnchorKeeper
 from proxy.context import RecordedContext, decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -744,7 +745,7 @@ class Retention:
         touch: Coroutine[Any, Any, int],
         reserved: float,
         on_done: Callable[[], None],
-        kind: str = "session",
+        kind: str = SESSION_TOUCH,
     ) -> None:
         """Run a touch (returning the prompt tokens it recomputed) as a task that ``stop``
         cancels; when it ends, settle the overhead credit ``reserved`` for it with what it

@@ -188,6 +188,7 @@ class CompareSpec:
     router: str | None = None
     model: str = "sim"
     repeats: int = 1
+    base: str | None = None  # the reference of `vs base` and gap closed (None: DEFAULT_BASES)
 
 
 @dataclass(slots=True)
@@ -490,9 +491,11 @@ def sized_spec(workload: Workload, spec: CompareSpec) -> tuple[CompareSpec, dict
 
 async def run_compare(workload: Workload, spec: CompareSpec) -> dict[str, Any]:
     """Run every target in turn (``spec.repeats`` rounds); write and return the document."""
+    plan = plan_targets(spec.targets, spec.replicas, spec.router, not spec.engine_urls)
+    if spec.base is not None and spec.base not in {n for n, skipped in plan if not skipped}:
+        raise ValueError(f"--base {spec.base!r} is not one of the targets that run")
     spec.out.mkdir(parents=True, exist_ok=True)
     spec, planned = sized_spec(workload, spec)
-    plan = plan_targets(spec.targets, spec.replicas, spec.router, not spec.engine_urls)
     if spec.repeats <= 1:
         return await _run_round(workload, spec, planned, plan, "")
     rounds: list[dict[str, Any]] = []
@@ -587,6 +590,7 @@ def aggregate_rounds(rounds: Sequence[dict[str, Any]], names: Sequence[str]) -> 
         "workload": first["workload"],
         "params": first["params"],
         "setup": first["setup"],
+        "base": first.get("base"),
         "repeats": len(rounds),
         "rounds": list(names),
         "ceilings": {
@@ -617,7 +621,8 @@ def compare_document(
         "ceilings": {"planned": planned, "realized": realized, "admitted": admitted},
         "targets": {},
     }
-    base = _baseline(runs)
+    base_name, base = _baseline(runs, spec.base)
+    doc["base"] = base_name
     lru_ref = base["hit_rate"] if base else planned["lru"]
     belady = (realized or planned)["belady"]
     oracle = next((r.summary for r in runs if r.name == BELADY and r.summary), None)
@@ -640,13 +645,21 @@ def _setup(spec: CompareSpec) -> dict[str, Any]:
     }
 
 
-def _baseline(runs: list[TargetRun]) -> dict[str, Any] | None:
-    """The vanilla reference: straight to the engine, else round robin, else kvkeeper none."""
-    for name in ("engine", "round-robin", "none"):
+# the vanilla reference when none is named: straight to the engine, else round robin, else none
+DEFAULT_BASES = ("engine", "round-robin", "none")
+
+
+def _baseline(
+    runs: list[TargetRun], named: str | None = None
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The reference target's name and summary: ``named`` (``--base``), else the first of
+    :data:`DEFAULT_BASES` that ran (with a tier, ``engine`` is plain LMCache and
+    ``--base engine-notier`` measures against vanilla vLLM without it)."""
+    for name in (named,) if named else DEFAULT_BASES:
         for r in runs:
             if r.name == name and r.summary is not None:
-                return r.summary
-    return None
+                return name, r.summary
+    return None, None
 
 
 def _target_entry(
@@ -702,6 +715,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"### {doc['workload']}: {len(doc['targets'])} targets, pool {planned['C']} blocks "
         f"(peak working set {planned['peak_ws']}"
         + ("; raised to fit the largest request)" if planned.get("raised_to_fit") else ")"),
+        "",
+        f"Base: `{doc.get('base') or '-'}` (`vs base` and gap closed, to the realized Belady).",
         "",
         "| target | hit rate | gap closed | TTFT mean s | TTFT p90 s | TTFT mean vs base | "
         + ("TTFT mean vs engine-belady | " if oracle else "")
@@ -793,8 +808,9 @@ def render_aggregate(doc: dict[str, Any]) -> str:
         f"### {doc['workload']}: {len(doc['targets'])} targets, {doc['repeats']} rounds, "
         f"pool {planned['C']} blocks (peak working set {planned['peak_ws']})",
         "",
-        "Mean over rounds (min to max). `vs base`: the same round's baseline (`engine`, else "
-        "`round-robin`, else `none`); gap closed per round against that round's realized Belady.",
+        "Mean over rounds (min to max). `vs base`: the same round's "
+        + (f"`{doc['base']}`" if doc.get("base") else "baseline")
+        + "; gap closed per round from it to that round's realized Belady.",
         "",
         "| target | hit rate | hit vs base pp | gap closed | TTFT mean s | TTFT mean vs base "
         "| TTFT p90 vs base | "
@@ -920,6 +936,13 @@ def register(sub: Subparsers) -> None:
         default=1,
         help="play the comparison this many times and report mean and range (default 1)",
     )
+    p.add_argument(
+        "--base",
+        metavar="TARGET",
+        help="the reference of `vs base` and gap closed, one of the targets "
+        "(default: engine, else round-robin, else none; with --cpu-blocks, engine-notier "
+        "measures against vanilla vLLM without the tier)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_compare)
 
@@ -960,6 +983,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
         router=find_router(args.router),
         model=args.model,
         repeats=max(1, args.repeats),
+        base=args.base,
     )
 
 

@@ -8,6 +8,7 @@
 # R2_TARGETS=none,full,round-robin,vllm-router (two replicas) run fewer targets.
 # Targets run only when named, e.g. TARGETS=engine,engine-belady,full+priority: the same engine
 # evicting by Belady's rule from the first target's sends, and cache-aware admission order.
+# BASE=engine-notier measures `vs base` and gap closed against that target (default: engine).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${1:-results/sim_compare}
@@ -15,6 +16,7 @@ ONLY=${ONLY:-}
 REPEATS=${REPEATS:-1}
 TARGETS=${TARGETS:-}
 R2_TARGETS=${R2_TARGETS:-}
+BASE=${BASE:-}
 
 # The trace subset: the 16 Claude Code traces whose full prompts stay under ~131K tokens, first
 # 10 top-level calls of each (their sub-agents included), think times capped at 60 s, then all
@@ -32,7 +34,7 @@ run() {  # NAME ARGS...
     local targets=$TARGETS
     if [[ " $* " == *" --replicas "* ]]; then targets=$R2_TARGETS; fi
     python -m proxy.cli bench compare "$@" ${targets:+--targets "$targets"} --repeats "$REPEATS" \
-        --out "$OUT/$name" --no-progress
+        ${BASE:+--base "$BASE"} --out "$OUT/$name" --no-progress
 }
 
 run trace-n8-p25  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25
@@ -47,8 +49,11 @@ run trace-r2-n16-p50 "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5 --replicas 
 # through it): the ceilings stay those of the pool alone. TARGETS=engine,engine-notier,full,full+pins
 # adds the engine without the tier and kvkeeper pinning protected sessions in it
 run trace-n8-p25-tier  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25 --cpu-blocks 1920
+run trace-n8-p50-tier  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.5  --cpu-blocks 3839
+run trace-n16-p25-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.25 --cpu-blocks 2344
 run trace-n16-p50-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5  --cpu-blocks 4687
 run swarm-p50-tier     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057
+run fanout-p50-tier    "${FANOUT[@]}" --pool-frac 0.5 --cpu-blocks 1102
 # the same with LMCache MP's two levels: an L1 as large as the pool that stays LRU, written
 # through to an L2 as large again whose eviction pins protect, loads from it 4x an L1 load
 run swarm-p50-tier-l2  "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057 --cpu-l2-blocks 1057

@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -990,7 +991,11 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
 def _cmd_compare(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     spec = spec_from_args(args)
-    doc = asyncio.run(run_compare(workload, spec))
+    try:
+        doc = asyncio.run(run_compare(workload, spec))
+    except ValueError as e:  # a bad target list or --base: refused before anything ran
+        print(f"kvkeeper bench compare: error: {e}", file=sys.stderr)
+        return 2
     if spec.repeats > 1:
         print(render_aggregate(doc))
         errors = sum(t.get("errors", {}).get("max", 0) for t in doc["targets"].values())

@@ -25,7 +25,7 @@ from loadgen.sim.server import SimConfig
 from loadgen.targets import find_router
 from loadgen.workloads import build_workload
 from loadgen.workloads.base import Workload
-from proxy.cli import build_parser
+from proxy.cli import build_parser, main
 
 ROUTER = find_router()
 
@@ -124,6 +124,17 @@ def test_cli_registers_compare() -> None:
     )
     assert args.bench_command == "compare"
     assert args.pool_frac == 0.5
+    assert args.base is None
+
+
+def test_cli_refuses_a_base_that_does_not_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "compare", "--workload", "swarm", "--set", "users=2", "--targets", "engine",
+            "--base", "full", "--pool-frac", "0.5", "--out", str(tmp_path / "x")]  # fmt: skip
+    assert main(argv) == 2
+    assert "--base 'full' is not one of the targets that run" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> None:
@@ -212,6 +223,39 @@ async def test_belady_engine_evicts_by_the_first_targets_sends(tmp_path: Path) -
     assert "dead blocks first, then LRU" in dead["note"]
 
 
+async def test_base_names_the_reference_of_every_relative_figure(tmp_path: Path) -> None:
+    """With a CPU tier ``engine`` is plain LMCache; ``--base engine-notier`` sets every target
+    against vanilla vLLM without it (and the realized Belady stays the first target's)."""
+    workload = small_swarm()
+    sim = SimConfig(profile="cpu-smollm2", speed=40.0, reply_tokens=1, cpu_blocks=64)
+    doc = await run_compare(
+        workload,
+        spec(tmp_path, ("engine-notier", "engine"), 0.3, sim=sim, base="engine-notier"),
+    )
+    assert doc["base"] == "engine-notier"
+    notier, lmcache = doc["targets"]["engine-notier"], doc["targets"]["engine"]
+    assert notier["hit_rate_vs_base_pp"] == 0.0 and notier["gap_closed"] == 0.0
+    assert lmcache["hit_rate_vs_base_pp"] == pytest.approx(
+        100 * (lmcache["hit_rate"] - notier["hit_rate"])
+    )
+    assert lmcache["ttft_mean_vs_base"] == pytest.approx(
+        lmcache["ttft"]["mean"] / notier["ttft"]["mean"] - 1
+    )
+    belady = doc["ceilings"]["realized"]["belady"]
+    assert doc["ceilings"]["realized"]["from"] == "engine-notier"
+    if belady - notier["hit_rate"] > 1e-9:
+        assert lmcache["gap_closed"] == pytest.approx(
+            (lmcache["hit_rate"] - notier["hit_rate"]) / (belady - notier["hit_rate"])
+        )
+    assert "Base: `engine-notier`" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+async def test_base_must_be_a_target_that_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--base 'engine-notier' is not one of the targets"):
+        await run_compare(small_swarm(), spec(tmp_path, ("engine",), 0.5, base="engine-notier"))
+    assert not (tmp_path / "cmp").exists()  # refused before anything ran or was written
+
+
 async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None:
     workload = small_swarm()
     doc = await run_compare(workload, spec(tmp_path, ("engine", "none", "session"), 0.5, repeats=2))
@@ -230,6 +274,7 @@ async def test_repeats_report_mean_and_range_over_rounds(tmp_path: Path) -> None
         assert (fig["min"], fig["max"]) == (min(hits), max(hits))
         assert doc["targets"][name]["errors"]["max"] == 0
     # the paired difference to the same round's baseline: zero for the baseline itself
+    assert doc["base"] == "engine"
     assert doc["targets"]["engine"]["hit_rate_vs_base_pp"]["max"] == 0.0
     table = (out / "compare.md").read_text()
     assert "2 rounds" in table and "| session |" in table and "round2 (engine)" in table

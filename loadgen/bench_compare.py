@@ -38,6 +38,13 @@ at the same capacity (:mod:`loadgen.ceiling`): an infinite cache, Belady's optim
 offline LRU, computed twice: on the ceiling tool's own timeline and on the arrival order the
 first target really saw (the ``realized`` rows; their LRU cross-checks the simulator).
 
+Every figure "vs base" and the share of the LRU-to-Belady gap closed are measured from one
+target's run (``--base``; default ``engine``, else ``round-robin``, else ``none``; with a CPU
+tier ``engine`` is plain LMCache, and ``--base engine-notier`` measures against vanilla vLLM
+without it). The gap runs to the realized Belady twice: blocks held from each call's send, and
+held from its first token as the engine holds them (a request in its queue holds none), the
+ceiling an engine evicting by Belady's rule reaches.
+
 ``--pool-frac F`` sizes the pool as ``F`` x the workload's peak working set (its ``slots``
 layout with ``--max-sessions`` root sessions open, else ``open``), split evenly over replicas.
 
@@ -689,12 +696,10 @@ def _target_entry(
     if oracle is not None and oracle["ttft"]["mean"] and s["ttft"]["mean"] is not None:
         entry["ttft_mean_vs_belady"] = s["ttft"]["mean"] / oracle["ttft"]["mean"] - 1
     entry["counters"] = r.counters
-    gap = belady - lru_ref
     hit = s["hit_rate"] or 0.0
-    entry["gap_closed"] = (hit - lru_ref) / gap if gap > 1e-9 else None
+    entry["gap_closed"] = _gap_closed(hit, lru_ref, belady)
     if belady_first_token is not None:
-        gap = belady_first_token - lru_ref
-        entry["gap_closed_first_token"] = (hit - lru_ref) / gap if gap > 1e-9 else None
+        entry["gap_closed_first_token"] = _gap_closed(hit, lru_ref, belady_first_token)
     sent = s.get("retention_prompt_tokens")
     spent = s.get("retention_recomputed_tokens")
     prompt = s["prompt_tokens"] or 1
@@ -706,6 +711,12 @@ def _target_entry(
         entry["ttft_p90_vs_base"] = s["ttft"]["p90"] / base["ttft"]["p90"] - 1
         entry["hit_rate_vs_base_pp"] = 100 * (hit - (base["hit_rate"] or 0.0))
     return entry
+
+
+def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
+    """The share of the LRU-to-Belady gap ``hit`` closes; None where there is no gap."""
+    gap = belady - lru
+    return (hit - lru) / gap if gap > 1e-9 else None
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -755,7 +766,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {name} | {_pct(t['hit_rate'])} | {_pct(t['gap_closed'])} | "
-            f"{_pct(t.get('gap_closed_first_token'))} | {_sec(t['ttft']['mean'])} | {_sec(t['ttft']['p90'])} | "
+            f"{_pct(t.get('gap_closed_first_token'))} | "
+            f"{_sec(t['ttft']['mean'])} | {_sec(t['ttft']['p90'])} | "
             f"{_pct(t.get('ttft_mean_vs_base'), signed=True)} | "
             + (f"{_pct(t.get('ttft_mean_vs_belady'), signed=True)} | " if oracle else "")
             + f"{t['recomputed_prompt_tokens']:,} | {ret} | {rec} | {t['errors']} |"

@@ -29,6 +29,8 @@ SETTINGS = (
     "trace-n16-p50-tier",
     "swarm-p50-tier",
     "fanout-p50-tier",
+    "trace-n8-p25-tier2x",
+    "trace-n16-p25-tier2x",
 )
 
 

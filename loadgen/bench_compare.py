@@ -697,9 +697,9 @@ def _target_entry(
         entry["ttft_mean_vs_belady"] = s["ttft"]["mean"] / oracle["ttft"]["mean"] - 1
     entry["counters"] = r.counters
     hit = s["hit_rate"] or 0.0
-    entry["gap_closed"] = _gap_closed(hit, lru_ref, belady)
+    entry["gap_closed"] = gap_closed(hit, lru_ref, belady)
     if belady_first_token is not None:
-        entry["gap_closed_first_token"] = _gap_closed(hit, lru_ref, belady_first_token)
+        entry["gap_closed_first_token"] = gap_closed(hit, lru_ref, belady_first_token)
     sent = s.get("retention_prompt_tokens")
     spent = s.get("retention_recomputed_tokens")
     prompt = s["prompt_tokens"] or 1
@@ -713,7 +713,7 @@ def _target_entry(
     return entry
 
 
-def _gap_closed(hit: float, lru: float, belady: float) -> float | None:
+def gap_closed(hit: float, lru: float, belady: float) -> float | None:
     """The share of the LRU-to-Belady gap ``hit`` closes; None where there is no gap."""
     gap = belady - lru
     return (hit - lru) / gap if gap > 1e-9 else None

@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VANILLA, BELADY, LMCACHE = "engine-notier", "engine-belady", "engine"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadgen.bench_compare import gap_closed
+
+VANILLA, BELADY = "engine-notier", "engine-belady"
 SETTINGS = (
     "trace-n8-p25-tier",
     "trace-n8-p50-tier",
@@ -53,17 +57,12 @@ def figures(doc: dict[str, Any], name: str) -> dict[str, float | None] | None:
     if not t or "skipped" in t or not v or "skipped" in v:
         return None
     hit, base = t["hit_rate"], v["hit_rate"]
-
-    def gap(ceiling: dict[str, Any] | None) -> float | None:
-        room = ceiling["belady"] - base if ceiling else 0.0
-        return (hit - base) / room if room > 1e-9 else None
-
-    c = doc["ceilings"]
+    sent, first_token = doc["ceilings"]["realized"], doc["ceilings"].get("admitted")
     return {
         "hit": hit,
         "pp": 100 * (hit - base),
-        "gap": gap(c["realized"]),
-        "gap_ft": gap(c.get("admitted")),
+        "gap": gap_closed(hit, base, sent["belady"]) if sent else None,
+        "gap_ft": gap_closed(hit, base, first_token["belady"]) if first_token else None,
         "ttft": t["ttft"]["mean"] / v["ttft"]["mean"] - 1,
         "p90": t["ttft"]["p90"] / v["ttft"]["p90"] - 1,
         "vs_belady": (

@@ -64,7 +64,7 @@ from policy.routing import (
     score_engine,
 )
 from policy.steps import step_seconds, window_counts
-from policy.tier_pins import PinCandidate, pin_budget, plan_pins
+from policy.tier_pins import PinCandidate, anchor_next_use_s, pin_budget, plan_pins
 from policy.tree import (
     TreeNode,
     children_index,
@@ -109,6 +109,7 @@ __all__ = [
     "TreeNode",
     "WarmCandidate",
     "allocate_budget",
+    "anchor_next_use_s",
     "children_index",
     "decide_retention",
     "effective_budget",

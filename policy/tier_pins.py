@@ -1,17 +1,22 @@
-"""Which protected sessions to pin in the offload tier.
+"""Which protected sessions and agent anchors to pin in the offload tier.
 
 An LMCache tier behind the engine stores every prefill (write-through) and evicts by LRU, so
 it keeps what was used last, not what will be back. Pins turn part of the tier into room for
 the contexts kvkeeper knows will be back: the sessions it protects (a tool call outstanding, a
 TTL) that the GPU has begun to lose (``proxy/tiers.py`` picks the candidates). A pinned
 context's resume loads its prefix from the tier instead of recomputing it, so it needs no
-keep-alive touches on the GPU.
+keep-alive touches on the GPU. Agent anchors (``retention.tier_pin_anchors``: an agent's system
+prompt and tools, the prefix every call of that agent starts with) compete for the same room:
+an LRU tier ages them out while the GPU serves them, so the call after the GPU lets one go
+recomputes it unless it is pinned.
 
 Selection rule (:func:`plan_pins`): at most ``share`` x the tier's capacity in chunks is pinned;
-sessions are taken soonest protection end first (the nearest resume: a TTL is a multiple of the
-expected pause), then already pinned before new (no churn between equals), then larger first,
-then by key; one that does not fit is skipped and smaller ones behind it may still fit. Chunks
-two sessions share (an agent's system prompt) are counted for each: the budget is conservative.
+candidates are taken soonest expected next use first (Belady's order: a session's protection
+left, a TTL being a multiple of the expected pause; an anchor's gap between calls of its agent),
+then already pinned before new (no churn between equals), then larger first, then by key; one
+that does not fit is skipped and smaller ones behind it may still fit. Chunks two candidates
+share (an agent's system prompt inside a session's context) are counted for each: the budget is
+conservative.
 """
 
 from __future__ import annotations
@@ -22,12 +27,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class PinCandidate:
-    """One protected session: its complete chunks, the protection left, whether it is pinned."""
+    """One session or anchor: its complete chunks, the seconds to its expected next use (a
+    session's protection left, an anchor's gap between calls), whether it is pinned."""
 
     key: str
     chunks: int
-    ttl_left_s: float
+    next_use_s: float
     pinned: bool = False
+
+
+def anchor_next_use_s(call_gap_s: float, idle_s: float) -> float:
+    """Seconds to an anchor's expected next use: the gap between calls of its agent, or the
+    time since the last one once that is longer (an agent idle for long is not due soon)."""
+    return max(call_gap_s, idle_s, 0.0)
 
 
 def pin_budget(capacity_chunks: int, share: float) -> int:
@@ -42,7 +54,7 @@ def plan_pins(candidates: Sequence[PinCandidate], capacity_chunks: int, share: f
     budget = pin_budget(capacity_chunks, share)
     chosen: list[str] = []
     used = 0
-    for c in sorted(candidates, key=lambda c: (c.ttl_left_s, not c.pinned, -c.chunks, c.key)):
+    for c in sorted(candidates, key=lambda c: (c.next_use_s, not c.pinned, -c.chunks, c.key)):
         if c.chunks <= 0 or used + c.chunks > budget:
             continue
         chosen.append(c.key)

@@ -12,6 +12,12 @@ that refreshes its blocks before LRU reaches them. A touch counts like a session
 touch in the retention overhead (``kvkeeper_touch_prompt_tokens_total`` and
 ``kvkeeper_touch_recomputed_tokens_total``) and by itself in
 ``kvkeeper_anchor_touches_total{engine,outcome}``.
+
+With an offload tier and ``retention.tier_pin_anchors`` the keeper learns anchors without
+touching them: :meth:`AnchorKeeper.pin_candidates` hands the ones in demand to the tier keeper
+(:mod:`proxy.tiers`), which pins them in the tier, so the call after the GPU lets one go loads
+it instead of recomputing it. An anchor's expected next use there is the gap between calls of
+its agent (a moving average), or the time since its last call once that is longer.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from policy.anchors import (
 from policy.budget import BudgetConfig, effective_budget
 from policy.overhead import ANCHOR_TOUCH
 from policy.predictor import TransitionModel
+from policy.tier_pins import anchor_next_use_s
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
 
@@ -51,6 +58,7 @@ Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], N
 
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
+_GAP_WEIGHT = 0.25  # of the newest gap in an anchor's moving average between calls
 
 
 def _id(tenant: str, agent: str) -> str:
@@ -66,6 +74,18 @@ class Sample:
     body: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class AnchorPin:
+    """A learned anchor in demand, as the tier keeper pins it."""
+
+    tenant: str
+    agent: str
+    tokens: list[int]  # its whole blocks
+    cache_salt: str | None
+    version: float  # when it was learned: a relearned anchor is pinned again
+    next_use_s: float
+
+
 @dataclass(slots=True)
 class Anchor:
     """One agent's anchor on one engine, for one tenant."""
@@ -78,6 +98,9 @@ class Anchor:
     cache_salt: str | None = None
     last_used: float = 0.0
     held: bool = False  # last used by a touch, not by a call of its agent
+    last_call: float = 0.0  # the last call of its agent (touches aside)
+    call_gap_s: float | None = None  # moving average of the time between calls of its agent
+    learned_at: float = 0.0  # when ``tokens`` were learned: the version a tier pin holds
     calls_since_learned: int = 0
     learn_after: int = 0  # calls to let pass before sampling again (relearn, or back off)
     failures: int = 0  # learning attempts in a row that found no common prefix
@@ -133,7 +156,11 @@ class AnchorKeeper:
             if len(mine) >= _MAX_ANCHORS:  # agent names come from clients: bounded
                 del mine[min(mine, key=lambda k: mine[k].last_used)]
             anchor = mine[(tenant, agent)] = Anchor(agent)
-        anchor.last_used, anchor.held = now, False
+        if anchor.last_call > 0:
+            gap = max(0.0, now - anchor.last_call)
+            avg = anchor.call_gap_s
+            anchor.call_gap_s = gap if avg is None else (1 - _GAP_WEIGHT) * avg + _GAP_WEIGHT * gap
+        anchor.last_used, anchor.held, anchor.last_call = now, False, now
         anchor.calls_since_learned += 1
         if anchor.calls_since_learned < anchor.learn_after:
             return
@@ -165,13 +192,16 @@ class AnchorKeeper:
 
     # --- the retention tick -----------------------------------------------------------------
     async def tick(self, es: EngineState, now: float, horizon_s: float) -> None:
-        """Learn the anchors that have two samples, then touch the ones the plan picks."""
+        """Learn the anchors that have two samples, then (``retention.anchors``) touch the ones
+        the plan picks."""
         mine = self.anchors.get(es.engine.name)
-        if not mine or es.subscriber is None or es.load is None or es.tap is None:
-            return  # without KV events nothing says which anchor blocks are still cached
+        if not mine:
+            return
         for anchor in list(mine.values()):  # (requests may add anchors while this awaits)
             if anchor.learnable:
-                await self._learn(es, anchor)
+                await self._learn(es, anchor, now)
+        if not self.settings.anchors or es.subscriber is None or es.load is None or es.tap is None:
+            return  # without KV events nothing says which anchor blocks are still cached
         demand = self.demand(now)
         views: dict[str, tuple[Anchor, AnchorView]] = {}
         for (tenant, agent), anchor in mine.items():
@@ -224,7 +254,27 @@ class AnchorKeeper:
                 ANCHOR_TOUCH,
             )
 
-    async def _learn(self, es: EngineState, anchor: Anchor) -> None:
+    def pin_candidates(self, engine: str, now: float) -> list[AnchorPin]:
+        """The learned anchors on ``engine`` whose agents are in demand (at least
+        ``anchor_min_demand`` expected next calls) and have been called twice, each with its
+        expected next use (:func:`policy.tier_pins.anchor_next_use_s`)."""
+        demand = self.demand(now)
+        return [
+            AnchorPin(
+                tenant,
+                agent,
+                a.tokens[:-1],  # (``tokens`` ends one token past its whole blocks)
+                a.cache_salt,
+                a.learned_at,
+                anchor_next_use_s(a.call_gap_s, now - a.last_call),
+            )
+            for (tenant, agent), a in self.anchors.get(engine, {}).items()
+            if a.blocks
+            and a.call_gap_s is not None
+            and demand.get(_id(tenant, agent), 0.0) >= self.settings.anchor_min_demand
+        ]
+
+    async def _learn(self, es: EngineState, anchor: Anchor, now: float) -> None:
         """The common leading whole blocks of the two samples' token ids."""
         first, second = anchor.first, anchor.second
         assert first is not None and second is not None
@@ -249,6 +299,7 @@ class AnchorKeeper:
         # one token past the last whole block: vLLM looks up at most prompt - 1 tokens
         anchor.tokens = a[: n_blocks * bs + 1]
         anchor.blocks = tuple(es.adapter.hasher.block_ids(a[: n_blocks * bs], cache_salt=salt))
+        anchor.learned_at = now
         anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
         anchor.first = anchor.second = None
 

@@ -134,9 +134,15 @@ class Metrics:
             ["engine"],
             registry=r,
         )
+        self.tier_pinned_anchors = Gauge(
+            "kvkeeper_tier_pinned_anchors",
+            "Agent anchors pinned in the engine's offload tier",
+            ["engine"],
+            registry=r,
+        )
         self.tier_pinned_chunks = Gauge(
             "kvkeeper_tier_pinned_chunks",
-            "Chunks pinned in the engine's offload tier (shared chunks counted per session)",
+            "Chunks pinned in the engine's offload tier (shared chunks counted per pin)",
             ["engine"],
             registry=r,
         )

@@ -249,7 +249,7 @@ class Retention:
         self._stopping = asyncio.Event()
         self.anchors = (
             AnchorKeeper(settings, metrics, self._track, self._touch_in_time)
-            if settings.anchors
+            if settings.anchors or (settings.tier_pin_anchors and settings.tier_pin_share > 0)
             else None
         )
         self.tiers = TierKeeper(store, settings, metrics)
@@ -522,7 +522,12 @@ class Retention:
             )
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
         # the pins of sessions no longer protected are released, so this runs with none too)
-        held = await self.tiers.tick(es, sessions, blocks, now)
+        anchors = (
+            self.anchors.pin_candidates(es.engine.name, now)
+            if self.anchors is not None and self.settings.tier_pin_anchors
+            else []
+        )
+        held = await self.tiers.tick(es, sessions, blocks, now, anchors)
         held |= await self.tiers.covered(es, sessions, now)
         sessions = [s for s in sessions if (s.tenant, s.session_id) not in held]
         if not sessions:

@@ -115,6 +115,9 @@ class RetentionSettings(BaseModel):
     # the simulator's one-level tier gained only at a large share (1.0 on the swarm; on the
     # traces pins crowd other requests out of the tier): BENCHMARKS.md, "Pin share"
     tier_pin_share: float = Field(default=0.0, ge=0, le=1)
+    # agent anchors (learned as for ``anchors``, from X-Agent-Name) pinned in the tier too,
+    # within the same share: soonest expected next use first, sessions and anchors alike
+    tier_pin_anchors: bool = False
     # no GPU touches for protected sessions the offload tier will still hold when their
     # protection ends (proxy/tiers.py): for tiers larger than the pool
     tier_skip_touches: bool = False

@@ -19,6 +19,13 @@ falls out of the share; a new version pinned replaces the old one after it, so t
 cover never drop to zero. On the LMCache MP stack the coordinator's pins protect the L2 copy
 (L1 stays LRU), so a held session may load from L2.
 
+Agent anchors (``retention.tier_pin_anchors``, learned by :mod:`proxy.anchors`) are pinned
+within the same share, ordered with the sessions by expected next use; an anchor is pinned while
+it is in demand, whether or not the GPU still holds it (a GPU hit does not refresh the tier's
+copy, so it would age out there first), and pinned again when it is relearned. Its pins take
+the ledger's key ``(tenant, ANCHOR_MARK + agent)``, which no session id can take (ids carry no
+control characters).
+
 LMCache pins have no TTL, so every pin is also recorded in Redis (``tierpins:<engine>``, the
 pinned tokens and version) until it is released: the replica that takes over an engine's
 retention lease (after a crash, or a lost lease) adopts them and releases them as its own, and
@@ -43,6 +50,7 @@ from adapters.base import AdapterError
 from adapters.lmcache import LMCacheAdapter
 from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
 from policy import PinCandidate, plan_pins
+from proxy.anchors import AnchorPin
 from proxy.context import decode_context
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -54,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvkeeper.tiers")
 
 SessionKey = tuple[str, str]
+ANCHOR_MARK = "\x1eanchor\x1e"  # an anchor's key in the pins: (tenant, ANCHOR_MARK + agent)
 _TIER_ERRORS = (AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
 
 
@@ -129,6 +138,7 @@ class TierKeeper:
         sessions: Sequence[Session],
         blocks: dict[SessionKey, tuple[int, ...]],
         now: float,
+        anchors: Sequence[AnchorPin] = (),
     ) -> set[SessionKey]:
         """Pin what fits, unpin what left; the sessions the tier now holds (no touches)."""
         tier = es.tier
@@ -144,29 +154,31 @@ class TierKeeper:
         if capacity is not None:
             chunk = tier.config.chunk_size
             bs = es.adapter.cache.block_size
-            names = {
-                f"{t}\x1f{sid}": (t, sid)
-                for (t, sid), s in by_key.items()
-                if self._candidate(es, st, s, blocks.get((t, sid), ()))
-            }
-            wanted = plan_pins(
-                [
-                    PinCandidate(
-                        name,
-                        len(blocks.get(sk, ())) * bs // chunk,
-                        by_key[sk].ttl_left(now),
-                        pinned=sk in st.pins,
-                    )
-                    for name, sk in names.items()
-                ],
-                capacity,
-                self.settings.tier_pin_share,
-            )
-            want = [names[n] for n in wanted]
+            by_anchor = {(a.tenant, ANCHOR_MARK + a.agent): a for a in anchors}
+            candidates = [
+                PinCandidate(
+                    f"{sk[0]}\x1f{sk[1]}",
+                    len(blocks.get(sk, ())) * bs // chunk,
+                    s.ttl_left(now),
+                    pinned=sk in st.pins,
+                )
+                for sk, s in by_key.items()
+                if self._candidate(es, st, s, blocks.get(sk, ()))
+            ] + [
+                PinCandidate(
+                    f"{sk[0]}\x1f{sk[1]}",
+                    len(a.tokens) // chunk,
+                    a.next_use_s,
+                    pinned=sk in st.pins,
+                )
+                for sk, a in by_anchor.items()
+            ]
+            wanted = plan_pins(candidates, capacity, self.settings.tier_pin_share)
+            want = [_key(name) for name in wanted]
             keep = set(want)
             for sk in [sk for sk in st.pins if sk not in keep]:
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
-            await self._pin_wanted(es, tier, st, [by_key[sk] for sk in want])
+            await self._pin_wanted(es, tier, st, want, by_key, by_anchor)
         self._report(es, st)
         return {
             sk
@@ -276,24 +288,42 @@ class TierKeeper:
         return es.index.resident_prefix(blocks) < len(blocks)
 
     async def _pin_wanted(
-        self, es: EngineState, tier: LMCacheAdapter, st: _TierState, want: list[Session]
+        self,
+        es: EngineState,
+        tier: LMCacheAdapter,
+        st: _TierState,
+        want: list[SessionKey],
+        sessions: dict[SessionKey, Session],
+        anchors: dict[SessionKey, AnchorPin],
     ) -> None:
-        """Pin the wanted sessions' current contexts (at most ``max_pins_per_tick``)."""
+        """Pin the current version of each wanted session's context or anchor (at most
+        ``max_pins_per_tick``)."""
         changes = 0
-        for session in want:
-            sk = (session.tenant, session.session_id)
+        for sk in want:
+            session, anchor = sessions.get(sk), anchors.get(sk)
+            version = session.last_used if session is not None else anchor.version if anchor else 0
             old = st.pins.get(sk)
-            if old is not None and old.version == session.last_used:
+            if old is not None and old.version == version:
                 continue
             if changes >= self.max_pins_per_tick:
                 break
             changes += 1
-            pin = await self._pin(es, tier, session)
+            if session is not None:
+                try:
+                    found = await self._context(es, session)
+                except StoreDown:
+                    continue
+                except _TIER_ERRORS as exc:
+                    log.warning("tier pin of %s failed: %s", session.session_id, exc)
+                    continue
+            else:
+                found = (anchor.tokens, anchor.cache_salt) if anchor is not None else None
+            pin = None if found is None else await self._pin(tier, sk, version, *found)
             if pin is None:
                 continue
             log.debug(
                 "tier pin: %s on %s, %d chunks (%d tokens stored)",
-                session.session_id,
+                sk[1] if session is not None else f"anchor {sk[1][len(ANCHOR_MARK) :]}",
                 es.engine.name,
                 pin.chunks,
                 pin.stored,
@@ -302,7 +332,7 @@ class TierKeeper:
             await self._record(es, sk, pin)
             if old is not None:  # after the new pin: the chunks both cover never drop to zero
                 await self._unpin(tier, old)
-            else:
+            elif session is not None:
                 self.metrics.offloads.inc()
 
     async def _context(
@@ -324,24 +354,21 @@ class TierKeeper:
         salt = ctx.body.get("cache_salt")
         return tokens, salt if isinstance(salt, str) else None
 
-    async def _pin(self, es: EngineState, tier: LMCacheAdapter, session: Session) -> _Pin | None:
-        """Pin the session's recorded context; None when it has none the tier can key."""
+    @staticmethod
+    async def _pin(
+        tier: LMCacheAdapter, sk: SessionKey, version: float, tokens: list[int], salt: str | None
+    ) -> _Pin | None:
+        """Pin ``tokens`` (a session's recorded context, an anchor); None when the tier failed."""
         try:
-            found = await self._context(es, session)
-            if found is None:
-                return None
-            tokens, salt = found
             await tier.pin(tokens, cache_salt=salt)
-        except StoreDown:
-            return None
         except _TIER_ERRORS as exc:
-            log.warning("tier pin of %s failed: %s", session.session_id, exc)
+            log.warning("tier pin of %s failed: %s", sk[1], exc)
             return None
-        pin = _Pin(session.last_used, tokens, salt, len(tokens) // tier.config.chunk_size, 0)
+        pin = _Pin(version, tokens, salt, len(tokens) // tier.config.chunk_size, 0)
         try:
             pin.stored = await tier.lookup(tokens, cache_salt=salt)
         except _TIER_ERRORS as exc:  # pinned, but not known to be stored: touches go on
-            log.warning("tier lookup of %s failed: %s", session.session_id, exc)
+            log.warning("tier lookup of %s failed: %s", sk[1], exc)
         return pin
 
     async def _stored_in_full(
@@ -405,10 +432,27 @@ class TierKeeper:
     def _report(self, es: EngineState, st: _TierState) -> None:
         counts = _counts(st)
         self.metrics.tier_pinned_sessions.labels(es.engine.name).set(counts["sessions"])
+        self.metrics.tier_pinned_anchors.labels(es.engine.name).set(counts["anchors"])
         self.metrics.tier_pinned_chunks.labels(es.engine.name).set(counts["chunks"])
 
 
+def _key(name: str) -> SessionKey:
+    """The pin key a plan candidate's name stands for (``tenant\x1fsession``)."""
+    tenant, _, rest = name.partition("\x1f")
+    return tenant, rest
+
+
+def is_anchor(sk: SessionKey) -> bool:
+    """Whether a pin key is an agent anchor's, not a session's."""
+    return sk[1].startswith(ANCHOR_MARK)
+
+
 def _counts(st: _TierState | None) -> dict[str, int]:
-    """Sessions and chunks pinned (none without a state)."""
-    pins = st.pins.values() if st is not None else ()
-    return {"sessions": len(pins), "chunks": sum(p.chunks for p in pins)}
+    """Sessions, anchors and chunks pinned (none without a state)."""
+    pins = st.pins if st is not None else {}
+    anchors = sum(1 for sk in pins if is_anchor(sk))
+    return {
+        "sessions": len(pins) - anchors,
+        "anchors": anchors,
+        "chunks": sum(p.chunks for p in pins.values()),
+    }

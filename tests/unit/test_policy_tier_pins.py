@@ -14,10 +14,10 @@ def test_budget_is_the_share_of_the_capacity() -> None:
 
 def test_soonest_protection_end_first_and_what_does_not_fit_is_skipped() -> None:
     cands = [
-        PinCandidate("late", 4, ttl_left_s=300),
-        PinCandidate("soon-big", 9, ttl_left_s=10),
-        PinCandidate("soon-small", 3, ttl_left_s=20),
-        PinCandidate("mid-big", 5, ttl_left_s=60),
+        PinCandidate("late", 4, next_use_s=300),
+        PinCandidate("soon-big", 9, next_use_s=10),
+        PinCandidate("soon-small", 3, next_use_s=20),
+        PinCandidate("mid-big", 5, next_use_s=60),
     ]
     # budget 12: soon-big (9), soon-small (3) fill it; mid-big and late do not fit
     assert plan_pins(cands, 25, 0.5) == ["soon-big", "soon-small"]
@@ -27,15 +27,15 @@ def test_soonest_protection_end_first_and_what_does_not_fit_is_skipped() -> None
 
 
 def test_ties_keep_what_is_pinned_then_prefer_larger() -> None:
-    a = PinCandidate("a", 6, ttl_left_s=30)
-    b = PinCandidate("b", 6, ttl_left_s=30, pinned=True)
+    a = PinCandidate("a", 6, next_use_s=30)
+    b = PinCandidate("b", 6, next_use_s=30, pinned=True)
     assert plan_pins([a, b], 12, 0.5) == ["b"]  # no churn between equals
-    c = PinCandidate("c", 2, ttl_left_s=30)
+    c = PinCandidate("c", 2, next_use_s=30)
     assert plan_pins([c, a], 16, 0.5) == ["a", "c"]
 
 
 def test_sessions_without_a_complete_chunk_are_never_pinned() -> None:
-    assert plan_pins([PinCandidate("tiny", 0, ttl_left_s=1)], 100, 1.0) == []
+    assert plan_pins([PinCandidate("tiny", 0, next_use_s=1)], 100, 1.0) == []
 
 
 def test_the_pin_ledger_record_round_trips() -> None:

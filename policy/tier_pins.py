@@ -13,10 +13,12 @@ recomputes it unless it is pinned.
 Selection rule (:func:`plan_pins`): at most ``share`` x the tier's capacity in chunks is pinned;
 candidates are taken soonest expected next use first (Belady's order: a session's protection
 left, a TTL being a multiple of the expected pause; an anchor's gap between calls of its agent),
-then already pinned before new (no churn between equals), then larger first, then by key; one
-that does not fit is skipped and smaller ones behind it may still fit. Chunks two candidates
-share (an agent's system prompt inside a session's context) are counted for each: the budget is
-conservative.
+then already pinned before new, then larger first, then by key; one that does not fit is
+skipped and smaller ones behind it may still fit. A pinned candidate counts as due
+``KEEP_FACTOR`` times sooner than it is: it gives its room up only to one due that much sooner
+(unpinned chunks leave a small tier within seconds, so a pin dropped for a candidate due a
+little sooner is gone when it is wanted back). Chunks two candidates share (an agent's system
+prompt inside a session's context) are counted for each: the budget is conservative.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class PinCandidate:
     chunks: int
     next_use_s: float
     pinned: bool = False
+
+
+KEEP_FACTOR = 2.0  # what is pinned ranks as if due this many times sooner
 
 
 def anchor_next_use_s(call_gap_s: float, idle_s: float) -> float:
@@ -54,7 +59,11 @@ def plan_pins(candidates: Sequence[PinCandidate], capacity_chunks: int, share: f
     budget = pin_budget(capacity_chunks, share)
     chosen: list[str] = []
     used = 0
-    for c in sorted(candidates, key=lambda c: (c.next_use_s, not c.pinned, -c.chunks, c.key)):
+    def rank(c: PinCandidate) -> tuple[float, bool, int, str]:
+        due = c.next_use_s / KEEP_FACTOR if c.pinned else c.next_use_s
+        return due, not c.pinned, -c.chunks, c.key
+
+    for c in sorted(candidates, key=rank):
         if c.chunks <= 0 or used + c.chunks > budget:
             continue
         chosen.append(c.key)

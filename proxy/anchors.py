@@ -98,7 +98,7 @@ class Anchor:
     cache_salt: str | None = None
     last_used: float = 0.0
     held: bool = False  # last used by a touch, not by a call of its agent
-    last_call: float = 0.0  # the last call of its agent (touches aside)
+    last_call: float | None = None  # the last call of its agent (touches aside)
     call_gap_s: float | None = None  # moving average of the time between calls of its agent
     learned_at: float = 0.0  # when ``tokens`` were learned: the version a tier pin holds
     calls_since_learned: int = 0
@@ -156,7 +156,7 @@ class AnchorKeeper:
             if len(mine) >= _MAX_ANCHORS:  # agent names come from clients: bounded
                 del mine[min(mine, key=lambda k: mine[k].last_used)]
             anchor = mine[(tenant, agent)] = Anchor(agent)
-        if anchor.last_call > 0:
+        if anchor.last_call is not None:
             gap = max(0.0, now - anchor.last_call)
             avg = anchor.call_gap_s
             anchor.call_gap_s = gap if avg is None else (1 - _GAP_WEIGHT) * avg + _GAP_WEIGHT * gap
@@ -271,6 +271,7 @@ class AnchorKeeper:
             for (tenant, agent), a in self.anchors.get(engine, {}).items()
             if a.blocks
             and a.call_gap_s is not None
+            and a.last_call is not None
             and demand.get(_id(tenant, agent), 0.0) >= self.settings.anchor_min_demand
         ]
 

@@ -672,13 +672,6 @@ async def test_traffic_that_reached_the_engine_another_way_earns_retention_credi
         assert engines["data"][0]["retention"]["overhead"]["earned_from"] == "engine"
 
 
-async def _agent_call(st, sid: str, agent: str, tokens: list[int]) -> int:  # type: ignore[no-untyped-def]
-    body = {"model": "sim", "prompt": tokens, "max_tokens": 1, "agent_hint": {"session_id": sid}}
-    resp = await st.proxy.post("/v1/completions", json=body, headers={"X-Agent-Name": agent})
-    assert resp.status == 200, await resp.text()
-    return cached(dict(await resp.json()))
-
-
 @pytest.mark.parametrize("anchors", [True, False])
 async def test_an_agents_anchor_outlives_a_flood_while_its_agent_is_expected(
     redis_server: RedisServer, namespace: str, anchors: bool
@@ -691,7 +684,7 @@ async def test_an_agents_anchor_outlives_a_flood_while_its_agent_is_expected(
     async with sim_stack(redis_server.url, namespace, anchors=anchors) as st:
         for turn in range(2):  # each session calls the coder twice: coder -> coder
             for n, sid in enumerate(("u1", "u2")):
-                await _agent_call(st, sid, "coder", anchor + prompt(10 + 2 * turn + n, 40))
+                await st.agent_call(sid, "coder", anchor + prompt(10 + 2 * turn + n, 40))
         retention, es = _engine_state(st)
         if anchors:
 
@@ -703,7 +696,7 @@ async def test_an_agents_anchor_outlives_a_flood_while_its_agent_is_expected(
             view = retention.engine_view(es.engine.name)["anchors"][0]
             assert view["agent"] == "coder" and view["demand"] > 1.5  # two sessions, ~1 each
         await _flood(st)  # 8 x 63 blocks through a 200-block pool
-        hit = await _agent_call(st, "u3", "coder", anchor + prompt(99, 40))
+        hit = await st.agent_call("u3", "coder", anchor + prompt(99, 40))
         touches = await st.metric("kvkeeper_anchor_touches_total", label='outcome="ok"')
         if anchors:
             assert hit >= 1000 // BLOCK * BLOCK, hit

@@ -82,3 +82,32 @@ def test_anchors_per_engine_are_bounded_least_recently_used_dropped() -> None:
         call(k, "s", f"agent-{i}", float(i))
     assert len(k.anchors[E]) == 1024
     assert ("t", "agent-0") not in k.anchors[E] and ("t", "agent-1024") in k.anchors[E]
+
+
+def test_tier_pin_candidates_are_learned_anchors_in_demand_with_their_next_use() -> None:
+    k = keeper(tier_pin_anchors=True, tier_pin_share=0.5, anchor_min_demand=0.5)
+    for at, sid in ((0.0, "s1"), (2.0, "s2"), (6.0, "s1")):  # gaps 2 s, 4 s
+        call(k, sid, "coder", at)
+        call(k, sid, "tester", at + 0.5)
+    coder = k.anchors[E][("t", "coder")]
+    assert coder.call_gap_s == pytest.approx(0.75 * 2.0 + 0.25 * 4.0)  # moving average
+    assert k.pin_candidates(E, 7.0) == []  # nothing learned yet
+    coder.blocks, coder.tokens, coder.learned_at = (1, 2), [5, 6, 7, 8, 9], 3.0
+    (pin,) = k.pin_candidates(E, 7.0)
+    assert (pin.tenant, pin.agent, pin.version) == ("t", "coder", 3.0)
+    assert pin.tokens == [5, 6, 7, 8]  # its whole blocks, without the token past them
+    assert pin.next_use_s == pytest.approx(2.5)  # the gap: the last call was 1 s ago
+    assert k.pin_candidates(E, 16.0)[0].next_use_s == pytest.approx(10.0)  # idle for longer
+    # the sessions' last agent is the tester, which the model says is followed by the coder;
+    # once they end, nobody is expected to call it
+    k.forget("t", "s1")
+    k.forget("t", "s2")
+    assert k.pin_candidates(E, 7.0) == []
+
+
+def test_anchor_next_use_is_the_call_gap_or_the_idle_time_if_longer() -> None:
+    from policy import anchor_next_use_s
+
+    assert anchor_next_use_s(3.0, 1.0) == 3.0
+    assert anchor_next_use_s(3.0, 7.5) == 7.5
+    assert anchor_next_use_s(0.0, -1.0) == 0.0

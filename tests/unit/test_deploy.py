@@ -108,8 +108,11 @@ def test_chart_lmcache_tier_per_engine() -> None:
     assert set(rendered) == set(OffloadTierSpec.model_fields)
     settings = load_settings(
         engines=[{"url": engine["url"], "lmcache": {k: tier[v] for k, v in rendered.items()}}],
-        retention={"tier_pin_share": values["retention"]["tierPinShare"]},
+        retention={
+            "tier_pin_share": values["retention"]["tierPinShare"],
+            "tier_pin_anchors": values["retention"]["tierPinAnchors"],
+        },
     )
     spec = settings.engines[0].lmcache
     assert spec is not None and spec.model_name == tier["modelName"] and spec.chunk_size == 256
-    assert "tier_pin_share" in template
+    assert "tier_pin_share" in template and "tier_pin_anchors" in template

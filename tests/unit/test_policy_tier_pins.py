@@ -47,3 +47,9 @@ def test_the_pin_ledger_record_round_trips() -> None:
     assert decode_pin(encode_pin(unsalted)) == unsalted
     assert decode_pin(b"not json\n\x00\x00") is None
     assert decode_pin(b'{"version": 1}\n') is None  # fields missing
+
+
+def test_a_pin_gives_its_room_up_only_to_one_due_twice_as_soon() -> None:
+    held = PinCandidate("held", 6, next_use_s=30, pinned=True)
+    assert plan_pins([held, PinCandidate("new", 6, next_use_s=20)], 12, 0.5) == ["held"]
+    assert plan_pins([held, PinCandidate("new", 6, next_use_s=14)], 12, 0.5) == ["new"]

@@ -59,6 +59,7 @@ def plan_pins(candidates: Sequence[PinCandidate], capacity_chunks: int, share: f
     budget = pin_budget(capacity_chunks, share)
     chosen: list[str] = []
     used = 0
+
     def rank(c: PinCandidate) -> tuple[float, bool, int, str]:
         due = c.next_use_s / KEEP_FACTOR if c.pinned else c.next_use_s
         return due, not c.pinned, -c.chunks, c.key

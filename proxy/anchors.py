@@ -255,9 +255,11 @@ class AnchorKeeper:
             )
 
     def pin_candidates(self, engine: str, now: float) -> list[AnchorPin]:
-        """The learned anchors on ``engine`` whose agents are in demand (at least
-        ``anchor_min_demand`` expected next calls) and have been called twice, each with its
-        expected next use (:func:`policy.tier_pins.anchor_next_use_s`)."""
+        """The learned anchors on ``engine`` whose agents some live session may call next (the
+        next-agent model's demand is above zero; a threshold would drop a pin whenever demand
+        dipped, and the tier's LRU would take its chunks before it came back) and that have been
+        called twice, each with its expected next use
+        (:func:`policy.tier_pins.anchor_next_use_s`)."""
         demand = self.demand(now)
         return [
             AnchorPin(
@@ -272,7 +274,7 @@ class AnchorKeeper:
             if a.blocks
             and a.call_gap_s is not None
             and a.last_call is not None
-            and demand.get(_id(tenant, agent), 0.0) >= self.settings.anchor_min_demand
+            and demand.get(_id(tenant, agent), 0.0) > 0
         ]
 
     async def _learn(self, es: EngineState, anchor: Anchor, now: float) -> None:

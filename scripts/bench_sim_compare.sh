@@ -54,9 +54,10 @@ run trace-n16-p25-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.25 --cpu-bl
 run trace-n16-p50-tier "${TRACE[@]}" --max-sessions 16 --pool-frac 0.5  --cpu-blocks 4687
 run swarm-p50-tier     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057
 run fanout-p50-tier    "${FANOUT[@]}" --pool-frac 0.5 --cpu-blocks 1102
-# the congested trace settings with a tier twice the pool (half the peak working set)
+# the congested trace settings and the swarm with a tier twice the pool
 run trace-n8-p25-tier2x  "${TRACE[@]}" --max-sessions 8  --pool-frac 0.25 --cpu-blocks 3840
 run trace-n16-p25-tier2x "${TRACE[@]}" --max-sessions 16 --pool-frac 0.25 --cpu-blocks 4688
+run swarm-p50-tier2x     "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 2114
 # the same with LMCache MP's two levels: an L1 as large as the pool that stays LRU, written
 # through to an L2 as large again whose eviction pins protect, loads from it 4x an L1 load
 run swarm-p50-tier-l2  "${SWARM[@]}" --pool-frac 0.5 --cpu-blocks 1057 --cpu-l2-blocks 1057

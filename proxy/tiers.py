@@ -20,8 +20,8 @@ cover never drop to zero. On the LMCache MP stack the coordinator's pins protect
 (L1 stays LRU), so a held session may load from L2.
 
 Agent anchors (``retention.tier_pin_anchors``, learned by :mod:`proxy.anchors`) are pinned
-within the same share, ordered with the sessions by expected next use; an anchor is pinned while
-it is in demand, whether or not the GPU still holds it (a GPU hit does not refresh the tier's
+within the same share, ordered with the sessions by expected next use; an anchor is a candidate
+while a live session may call its agent, whether or not the GPU still holds it (a GPU hit does not refresh the tier's
 copy, so it would age out there first), and pinned again when it is relearned. Its pins take
 the ledger's key ``(tenant, ANCHOR_MARK + agent)``, which no session id can take (ids carry no
 control characters).
@@ -155,26 +155,19 @@ class TierKeeper:
             chunk = tier.config.chunk_size
             bs = es.adapter.cache.block_size
             by_anchor = {(a.tenant, ANCHOR_MARK + a.agent): a for a in anchors}
-            candidates = [
-                PinCandidate(
-                    f"{sk[0]}\x1f{sk[1]}",
-                    len(blocks.get(sk, ())) * bs // chunk,
-                    s.ttl_left(now),
-                    pinned=sk in st.pins,
-                )
+            due: dict[SessionKey, tuple[int, float]] = {  # key -> (chunks, next use)
+                sk: (len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now))
                 for sk, s in by_key.items()
                 if self._candidate(es, st, s, blocks.get(sk, ()))
-            ] + [
-                PinCandidate(
-                    f"{sk[0]}\x1f{sk[1]}",
-                    len(a.tokens) // chunk,
-                    a.next_use_s,
-                    pinned=sk in st.pins,
-                )
-                for sk, a in by_anchor.items()
-            ]
-            wanted = plan_pins(candidates, capacity, self.settings.tier_pin_share)
-            want = [_key(name) for name in wanted]
+            }
+            due |= {sk: (len(a.tokens) // chunk, a.next_use_s) for sk, a in by_anchor.items()}
+            names = {f"{sk[0]}\x1f{sk[1]}": sk for sk in due}
+            wanted = plan_pins(
+                [PinCandidate(name, *due[sk], pinned=sk in st.pins) for name, sk in names.items()],
+                capacity,
+                self.settings.tier_pin_share,
+            )
+            want = [names[n] for n in wanted]
             keep = set(want)
             for sk in [sk for sk in st.pins if sk not in keep]:
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
@@ -434,12 +427,6 @@ class TierKeeper:
         self.metrics.tier_pinned_sessions.labels(es.engine.name).set(counts["sessions"])
         self.metrics.tier_pinned_anchors.labels(es.engine.name).set(counts["anchors"])
         self.metrics.tier_pinned_chunks.labels(es.engine.name).set(counts["chunks"])
-
-
-def _key(name: str) -> SessionKey:
-    """The pin key a plan candidate's name stands for (``tenant\x1fsession``)."""
-    tenant, _, rest = name.partition("\x1f")
-    return tenant, rest
 
 
 def is_anchor(sk: SessionKey) -> bool:

@@ -116,7 +116,9 @@ class RetentionSettings(BaseModel):
     # traces pins crowd other requests out of the tier): BENCHMARKS.md, "Pin share"
     tier_pin_share: float = Field(default=0.0, ge=0, le=1)
     # agent anchors (learned as for ``anchors``, from X-Agent-Name) pinned in the tier too,
-    # within the same share: soonest expected next use first, sessions and anchors alike
+    # within the same share: soonest expected next use first, sessions and anchors alike. Off:
+    # on the swarm with a tier as large as the pool they took the sessions' room (+0.3 points,
+    # TTFT within noise): BENCHMARKS.md, "Agent anchors pinned in the tier"
     tier_pin_anchors: bool = False
     # no GPU touches for protected sessions the offload tier will still hold when their
     # protection ends (proxy/tiers.py): for tiers larger than the pool

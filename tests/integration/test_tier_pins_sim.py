@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from proxy.tiers import ANCHOR_MARK
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt, sim_stack, wait_for
 
@@ -212,6 +213,11 @@ async def test_an_agents_anchor_pinned_in_the_tier_outlives_a_flood(
             assert await st.metric("kvkeeper_tier_pinned_anchors") == 1
             assert await st.metric("kvkeeper_tier_pinned_sessions") == 0
             assert await st.metric("kvkeeper_offloads_total") == 0  # sessions only
+            retention = st.runtime().retention
+            assert retention is not None
+            name = next(iter(retention.engines.values())).engine.name
+            ledger = await retention.store.tier_pins(name)  # a successor would adopt it
+            assert list(ledger) == [("default", ANCHOR_MARK + "coder")]
         await _flood(st)  # 70 chunks through a 50-chunk tier, 8 x 63 blocks through the pool
         kept = tier.lookup_prefix(anchor, None)
         hit = await st.agent_call("u3", "coder", anchor + prompt(99, 40))

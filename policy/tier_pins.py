@@ -14,8 +14,8 @@ Selection rule (:func:`plan_pins`): at most ``share`` x the tier's capacity in c
 candidates are taken soonest expected next use first (Belady's order: a session's protection
 left, a TTL being a multiple of the expected pause; an anchor's gap between calls of its agent),
 then already pinned before new, then larger first, then by key; one that does not fit is
-skipped and smaller ones behind it may still fit. A pinned candidate counts as due
-``KEEP_FACTOR`` times sooner than it is: it gives its room up only to one due that much sooner
+skipped and smaller ones behind it may still fit. With ``keep_factor`` k > 1 a pinned candidate
+counts as due k times sooner than it is: it gives its room up only to one due that much sooner
 (unpinned chunks leave a small tier within seconds, so a pin dropped for a candidate due a
 little sooner is gone when it is wanted back). Chunks two candidates share (an agent's system
 prompt inside a session's context) are counted for each: the budget is conservative.
@@ -38,9 +38,6 @@ class PinCandidate:
     pinned: bool = False
 
 
-KEEP_FACTOR = 2.0  # what is pinned ranks as if due this many times sooner
-
-
 def anchor_next_use_s(call_gap_s: float, idle_s: float) -> float:
     """Seconds to an anchor's expected next use: the gap between calls of its agent, or the
     time since the last one once that is longer (an agent idle for long is not due soon)."""
@@ -54,14 +51,19 @@ def pin_budget(capacity_chunks: int, share: float) -> int:
     return int(capacity_chunks * min(share, 1.0))
 
 
-def plan_pins(candidates: Sequence[PinCandidate], capacity_chunks: int, share: float) -> list[str]:
+def plan_pins(
+    candidates: Sequence[PinCandidate],
+    capacity_chunks: int,
+    share: float,
+    keep_factor: float = 1.0,
+) -> list[str]:
     """Keys to hold pinned, in selection order (module rule)."""
     budget = pin_budget(capacity_chunks, share)
     chosen: list[str] = []
     used = 0
 
     def rank(c: PinCandidate) -> tuple[float, bool, int, str]:
-        due = c.next_use_s / KEEP_FACTOR if c.pinned else c.next_use_s
+        due = c.next_use_s / keep_factor if c.pinned else c.next_use_s
         return due, not c.pinned, -c.chunks, c.key
 
     for c in sorted(candidates, key=rank):

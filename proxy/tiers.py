@@ -166,6 +166,7 @@ class TierKeeper:
                 [PinCandidate(name, *due[sk], pinned=sk in st.pins) for name, sk in names.items()],
                 capacity,
                 self.settings.tier_pin_share,
+                self.settings.tier_pin_keep_factor,
             )
             want = [names[n] for n in wanted]
             keep = set(want)

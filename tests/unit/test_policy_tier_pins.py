@@ -49,7 +49,9 @@ def test_the_pin_ledger_record_round_trips() -> None:
     assert decode_pin(b'{"version": 1}\n') is None  # fields missing
 
 
-def test_a_pin_gives_its_room_up_only_to_one_due_twice_as_soon() -> None:
+def test_with_a_keep_factor_a_pin_gives_its_room_up_only_to_one_due_that_much_sooner() -> None:
     held = PinCandidate("held", 6, next_use_s=30, pinned=True)
-    assert plan_pins([held, PinCandidate("new", 6, next_use_s=20)], 12, 0.5) == ["held"]
-    assert plan_pins([held, PinCandidate("new", 6, next_use_s=14)], 12, 0.5) == ["new"]
+    sooner = PinCandidate("new", 6, next_use_s=20)
+    assert plan_pins([held, sooner], 12, 0.5) == ["new"]  # keep factor 1: soonest first
+    assert plan_pins([held, sooner], 12, 0.5, keep_factor=2) == ["held"]
+    assert plan_pins([held, PinCandidate("new", 6, next_use_s=14)], 12, 0.5, 2) == ["new"]

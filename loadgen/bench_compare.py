@@ -68,7 +68,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +77,7 @@ import aiohttp
 
 from loadgen import ceiling, tokens
 from loadgen.bench_cli import _add_workload_args, workload_from_args
-from loadgen.metrics import parse_counters, summarize
+from loadgen.metrics import counter_delta, parse_counters, summarize
 from loadgen.runner import RequestRecord, RunOptions, RunResult, Target, run_workload
 from loadgen.sim.belady import EvictRule, oracle_document
 from loadgen.sim.engine import SCHEDULING_POLICIES
@@ -174,6 +174,14 @@ BELADY_COUNTERS = (
     "kvkeeper_sim_belady_prompt_blocks_total",
     "kvkeeper_sim_belady_unknown_blocks_total",
 )
+# what the engines did during a target's run (vLLM's names; the simulator exports the same):
+# the prompt tokens they looked up, found in the GPU cache, loaded from the offload tier
+ENGINE_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +216,7 @@ class TargetRun:
     wall_s: float
     skipped: str | None = None
     note: str | None = None
+    engine: dict[str, float] | None = None  # ENGINE_COUNTERS over the run, summed over engines
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -334,6 +343,32 @@ async def _scrape(
     return parse_counters(text, names)
 
 
+async def _engine_counters(sims: Sequence[SimEndpoints]) -> dict[str, float]:
+    """ENGINE_COUNTERS summed over the engines (those that answer)."""
+    total: dict[str, float] = {}
+    for counters in await asyncio.gather(*(_scrape(s.url, None, ENGINE_COUNTERS) for s in sims)):
+        for k, v in counters.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def engine_work(counters: Mapping[str, float] | None) -> dict[str, float] | None:
+    """What the engines did in a run: prompt tokens computed (looked up and found neither in
+    the GPU cache nor in the tier: the clients' misses, touches' and warm-ups', and what
+    preemptions made them compute again), loaded from the tier, and preemptions; None when the
+    engines export no prefix-cache counters."""
+    if not counters or "vllm:prefix_cache_queries_total" not in counters:
+        return None
+    queries = counters["vllm:prefix_cache_queries_total"]
+    gpu = counters.get("vllm:prefix_cache_hits_total", 0.0)
+    tier = counters.get("vllm:external_prefix_cache_hits_total", 0.0)
+    return {
+        "computed_tokens": max(0.0, queries - gpu - tier),
+        "tier_loaded_tokens": tier,
+        "preemptions": counters.get("vllm:num_preemptions_total", 0.0),
+    }
+
+
 def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff ASYNC240)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -360,7 +395,9 @@ async def run_target(
     async with _engines(spec, name, oracle) as sims, _front(name, sims, spec) as url:
         target = Target(url, spec.model, replace(spec.hints, mode=mode), api=spec.api)  # type: ignore[arg-type]
         options = replace(spec.options, run_tag=tag)
+        before = await _engine_counters(sims)  # real engines count from their start
         result = await run_workload(workload, target, options, label=name)
+        engine = engine_work(counter_delta(before, await _engine_counters(sims)))
         keep = spec.out / "logs" / f"{name}-metrics.txt"
         counters = {}
         if base in HINTED:
@@ -368,7 +405,9 @@ async def run_target(
         elif base in ORACLE_RULES:  # the simulator's check that its oracle knew every block
             counters = await _scrape(url, keep, BELADY_COUNTERS)
     result.save(spec.out / f"{name}.json")
-    return TargetRun(name, result, summarize(result), counters, time.monotonic() - t0, note=note)
+    return TargetRun(
+        name, result, summarize(result), counters, time.monotonic() - t0, note=note, engine=engine
+    )
 
 
 def write_oracle(path: Path, workload: Workload, result: RunResult, hash_seed: str) -> int:
@@ -696,6 +735,8 @@ def _target_entry(
     if oracle is not None and oracle["ttft"]["mean"] and s["ttft"]["mean"] is not None:
         entry["ttft_mean_vs_belady"] = s["ttft"]["mean"] / oracle["ttft"]["mean"] - 1
     entry["counters"] = r.counters
+    if r.engine is not None:
+        entry["engine"] = r.engine
     hit = s["hit_rate"] or 0.0
     entry["gap_closed"] = gap_closed(hit, lru_ref, belady)
     if belady_first_token is not None:
@@ -800,6 +841,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "",
     ]
     lines += [f"- {n}: {t['note']}" for n, t in doc["targets"].items() if t.get("note")]
+    for name, t in doc["targets"].items():
+        if (work := t.get("engine")) is not None:
+            lines.append(
+                f"- {name}: the engines computed {work['computed_tokens']:,.0f} prompt tokens, "
+                f"loaded {work['tier_loaded_tokens']:,.0f} from the tier, "
+                f"{work['preemptions']:,.0f} preemptions"
+            )
     counters = {n: t.get("counters") for n, t in doc["targets"].items() if t.get("counters")}
     for name, cnt in counters.items():
         text = ", ".join(

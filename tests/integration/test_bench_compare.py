@@ -165,6 +165,15 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
         recorded = json.loads((out / f"{name}.json").read_text())["requests"]
         assert len({r["response_id"].split("-")[1][:8] for r in recorded}) == 1
         assert 0.0 < t["hit_rate"] <= planned["inf"] + 1e-9
+    # what the engine did: straight to it, it computed every prompt token its answers did not
+    # report cached (no tier, no touches; a preemption would make it compute some again)
+    work = targets["engine"]["engine"]
+    cached_ = targets["engine"]["cached_tokens"]
+    assert work["tier_loaded_tokens"] == 0
+    assert work["computed_tokens"] >= prompt - cached_
+    if work["preemptions"] == 0:
+        assert work["computed_tokens"] == prompt - cached_
+    assert "the engines computed" in (out / "compare.md").read_text()
     # a plain client through kvkeeper sends the same requests as one straight to the engine
     assert targets["none"]["retention_prompt_tokens"] == 0
     assert targets["engine"]["retention_prompt_tokens"] is None
@@ -241,6 +250,9 @@ async def test_base_names_the_reference_of_every_relative_figure(tmp_path: Path)
     assert lmcache["ttft_mean_vs_base"] == pytest.approx(
         lmcache["ttft"]["mean"] / notier["ttft"]["mean"] - 1
     )
+    # the tier's loads are what plain LMCache found beyond the GPU cache
+    assert notier["engine"]["tier_loaded_tokens"] == 0
+    assert lmcache["engine"]["tier_loaded_tokens"] > 0
     assert doc["ceilings"]["realized"]["from"] == doc["ceilings"]["admitted"]["from"]
     assert doc["ceilings"]["realized"]["from"] == "engine-notier"
     # to the Belady held from the send, and to the one held from the first token

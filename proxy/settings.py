@@ -120,9 +120,9 @@ class RetentionSettings(BaseModel):
     # on the swarm with a tier as large as the pool they took the sessions' room (+0.3 points,
     # TTFT within noise): BENCHMARKS.md, "Agent anchors pinned in the tier"
     tier_pin_anchors: bool = False
-    # a pinned session or anchor ranks as if due this many times sooner (policy/tier_pins.py):
-    # above 1 it keeps its room against candidates due a little sooner
-    tier_pin_keep_factor: float = Field(default=2.0, ge=1)
+    # a pinned anchor ranks as if due this many times sooner (policy/tier_pins.py): it keeps
+    # its room against candidates due a little sooner (at 1 anchor pins churned)
+    tier_anchor_keep_factor: float = Field(default=2.0, ge=1)
     # no GPU touches for protected sessions the offload tier will still hold when their
     # protection ends (proxy/tiers.py): for tiers larger than the pool
     tier_skip_touches: bool = False

@@ -155,18 +155,23 @@ class TierKeeper:
             chunk = tier.config.chunk_size
             bs = es.adapter.cache.block_size
             by_anchor = {(a.tenant, ANCHOR_MARK + a.agent): a for a in anchors}
-            due: dict[SessionKey, tuple[int, float]] = {  # key -> (chunks, next use)
-                sk: (len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now))
+            anchor_keep = self.settings.tier_anchor_keep_factor
+            due = [  # (key, chunks, next use, keep factor)
+                (sk, len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now), 1.0)
                 for sk, s in by_key.items()
                 if self._candidate(es, st, s, blocks.get(sk, ()))
-            }
-            due |= {sk: (len(a.tokens) // chunk, a.next_use_s) for sk, a in by_anchor.items()}
-            names = {f"{sk[0]}\x1f{sk[1]}": sk for sk in due}
+            ] + [
+                (sk, len(a.tokens) // chunk, a.next_use_s, anchor_keep)
+                for sk, a in by_anchor.items()
+            ]
+            names = {f"{sk[0]}\x1f{sk[1]}": sk for sk, *_ in due}
             wanted = plan_pins(
-                [PinCandidate(name, *due[sk], pinned=sk in st.pins) for name, sk in names.items()],
+                [
+                    PinCandidate(f"{sk[0]}\x1f{sk[1]}", n, t, sk in st.pins, k)
+                    for sk, n, t, k in due
+                ],
                 capacity,
                 self.settings.tier_pin_share,
-                self.settings.tier_pin_keep_factor,
             )
             want = [names[n] for n in wanted]
             keep = set(want)

@@ -361,6 +361,11 @@ class SimEngine:
                 break
             self.waiting.pop()
             self.kv.record_lookup(seq, hits, preempted=req.num_preemptions > 0)
+            if (
+                self.cpu is not None
+            ):  # as vLLM's connector stats: once admitted, beyond the local hit
+                self.stats.external_queries += seq.num_tokens - local
+                self.stats.external_hits += external
             self.running.append(req)
             seq.num_computed_tokens = local + external
             if req.num_cached_tokens < 0:
@@ -390,8 +395,6 @@ class SimEngine:
             for i, l2 in enumerate(sources)
             if l2
         )
-        self.stats.external_queries += seq.num_tokens
-        self.stats.external_hits += external
         return external, from_l2
 
     def _cap(self, n: int) -> int:

@@ -121,6 +121,9 @@ async def test_cpu_tier_loads_back_what_the_device_evicted(make_engine: Factory)
     assert again.num_cached_tokens == 511
     assert again.num_external_tokens == 511 - engine.kv.stats.hits
     assert engine.stats.external_hits == again.num_external_tokens
+    # counted once a request is admitted, like vLLM's connector stats: queries are what the
+    # local cache did not hold, over the three requests
+    assert engine.stats.external_queries == 3 * 512 - engine.kv.stats.hits
     cpu_stored = [e for e in published if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
     assert len(cpu_stored) == 4  # a's 2 chunks + flood's 2 chunks
     assert cpu_stored[0].block_hashes == BlockHasher(32, "0").block_ids(a)[:8]
@@ -157,6 +160,9 @@ async def test_cpu_tier_keys_are_hashed_once_per_request(make_engine: Factory) -
     await asyncio.gather(drain(hog), drain(waiter))
     assert lookups.count(512) > 5  # looked up at every step it waited
     assert hashed.count(512) == 1  # ... and at its store: hashed once
+    # the connector's stats count each request once, when admitted (as vLLM does), not at
+    # every look-up while it waited
+    assert engine.stats.external_queries == 560 + 512
 
 
 def test_cpu_tier_lru_respects_pins() -> None:

@@ -307,22 +307,13 @@ class TierKeeper:
             if changes >= self.max_pins_per_tick:
                 break
             changes += 1
-            if session is not None:
-                try:
-                    found = await self._context(es, session)
-                except StoreDown:
-                    continue
-                except _TIER_ERRORS as exc:
-                    log.warning("tier pin of %s failed: %s", session.session_id, exc)
-                    continue
-            else:
-                found = (anchor.tokens, anchor.cache_salt) if anchor is not None else None
+            found = await self._pin_source(es, session, anchor)
             pin = None if found is None else await self._pin(tier, sk, version, *found)
             if pin is None:
                 continue
             log.debug(
                 "tier pin: %s on %s, %d chunks (%d tokens stored)",
-                sk[1] if session is not None else f"anchor {sk[1][len(ANCHOR_MARK) :]}",
+                f"anchor {sk[1][len(ANCHOR_MARK) :]}" if is_anchor(sk) else sk[1],
                 es.engine.name,
                 pin.chunks,
                 pin.stored,
@@ -333,6 +324,23 @@ class TierKeeper:
                 await self._unpin(tier, old)
             elif session is not None:
                 self.metrics.offloads.inc()
+
+    async def _pin_source(
+        self, es: EngineState, session: Session | None, anchor: AnchorPin | None
+    ) -> tuple[list[int], str | None] | None:
+        """The token ids and cache salt to pin: the anchor's, or the session's recorded
+        context (None when it has none the tier can key, or it could not be read)."""
+        if anchor is not None:
+            return anchor.tokens, anchor.cache_salt
+        if session is None:
+            return None
+        try:
+            return await self._context(es, session)
+        except StoreDown:
+            return None
+        except _TIER_ERRORS as exc:
+            log.warning("tier pin of %s failed: %s", session.session_id, exc)
+            return None
 
     async def _context(
         self, es: EngineState, session: Session

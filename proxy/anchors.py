@@ -14,9 +14,9 @@ touch in the retention overhead (``kvkeeper_touch_prompt_tokens_total`` and
 ``kvkeeper_anchor_touches_total{engine,outcome}``.
 
 With an offload tier and ``retention.tier_pin_anchors`` the keeper learns anchors without
-touching them: :meth:`AnchorKeeper.pin_candidates` hands the ones a live session may call to the tier keeper
-(:mod:`proxy.tiers`), which pins them in the tier, so the call after the GPU lets one go loads
-it instead of recomputing it. An anchor's expected next use there is the gap between calls of
+touching them: :meth:`AnchorKeeper.pin_candidates` hands the ones a live session may call to
+the tier keeper (:mod:`proxy.tiers`), which pins them in the tier, so the call after the GPU
+lets one go loads it instead of recomputing it. An anchor's expected next use there is the gap between calls of
 its agent (a moving average), or the time since its last call once that is longer.
 """
 

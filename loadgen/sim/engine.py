@@ -361,9 +361,8 @@ class SimEngine:
                 break
             self.waiting.pop()
             self.kv.record_lookup(seq, hits, preempted=req.num_preemptions > 0)
-            if (
-                self.cpu is not None
-            ):  # as vLLM's connector stats: once admitted, beyond the local hit
+            # as vLLM's connector stats: once admitted, the tokens beyond the local hit
+            if self.cpu is not None:
                 self.stats.external_queries += seq.num_tokens - local
                 self.stats.external_hits += external
             self.running.append(req)

@@ -181,6 +181,8 @@ ENGINE_COUNTERS = (
     "vllm:prefix_cache_hits_total",
     "vllm:external_prefix_cache_hits_total",
     "vllm:num_preemptions_total",
+    "kvkeeper_sim_modelled_seconds_total",  # the simulator's only
+    "kvkeeper_sim_lag_seconds_total",
 )
 
 
@@ -356,17 +358,22 @@ def engine_work(counters: Mapping[str, float] | None) -> dict[str, float] | None
     """What the engines did in a run: prompt tokens computed (looked up and found neither in
     the GPU cache nor in the tier: the clients' misses, touches' and warm-ups', and what
     preemptions made them compute again), loaded from the tier, and preemptions; None when the
-    engines export no prefix-cache counters."""
+    engines export no prefix-cache counters. Simulators add ``sim_lag``: the wall time their
+    step loops ran behind the modelled clock, as a share of the modelled time (0.1: the engine
+    ran 10% slower than its profile says, from the simulator's own processing time)."""
     if not counters or "vllm:prefix_cache_queries_total" not in counters:
         return None
     queries = counters["vllm:prefix_cache_queries_total"]
     gpu = counters.get("vllm:prefix_cache_hits_total", 0.0)
     tier = counters.get("vllm:external_prefix_cache_hits_total", 0.0)
-    return {
+    work = {
         "computed_tokens": max(0.0, queries - gpu - tier),
         "tier_loaded_tokens": tier,
         "preemptions": counters.get("vllm:num_preemptions_total", 0.0),
     }
+    if (modelled := counters.get("kvkeeper_sim_modelled_seconds_total", 0.0)) > 0:
+        work["sim_lag"] = counters.get("kvkeeper_sim_lag_seconds_total", 0.0) / modelled
+    return work
 
 
 def _write_text(path: Path, text: str) -> None:  # sync, off the coroutine (ruff ASYNC240)
@@ -847,6 +854,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"- {name}: the engines computed {work['computed_tokens']:,.0f} prompt tokens, "
                 f"loaded {work['tier_loaded_tokens']:,.0f} from the tier, "
                 f"{work['preemptions']:,.0f} preemptions"
+                + (
+                    f"; the simulator ran {work['sim_lag']:.1%} behind its modelled clock"
+                    if "sim_lag" in work
+                    else ""
+                )
             )
     counters = {n: t.get("counters") for n, t in doc["targets"].items() if t.get("counters")}
     for name, cnt in counters.items():
@@ -964,6 +976,9 @@ def register(sub: Subparsers) -> None:
         "--profile", default="h100-llama8b", choices=sorted(PROFILES), help="simulator timing"
     )
     p.add_argument("--speed", type=float, default=1.0, help="simulator time speed-up")
+    p.add_argument("--sim-max-lag", type=float, default=SimConfig().max_lag_s, metavar="SECONDS",
+                   help="how far the simulators' step loops may run behind their modelled "
+                        "clocks and catch up (`kvkeeper sim --max-lag-s`)")  # fmt: skip
     p.add_argument(
         "--num-blocks", type=int, default=2048, help="simulator pool (without --pool-frac)"
     )
@@ -1027,6 +1042,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
         model=args.model,
         profile=args.profile,
         speed=args.speed,
+        max_lag_s=args.sim_max_lag,
         num_blocks=args.num_blocks,
         cpu_blocks=args.cpu_blocks,
         cpu_l2_blocks=args.cpu_l2_blocks,

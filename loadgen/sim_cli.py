@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--hash-seed", default=_D.hash_seed, help="PYTHONHASHSEED the hashes use")
     p.add_argument("--profile", default=_D.profile, choices=sorted(PROFILES), help="timing model")
     p.add_argument("--speed", type=float, default=_D.speed, help="time speed-up factor")
+    p.add_argument("--max-lag-s", type=float, default=_D.max_lag_s, metavar="SECONDS",
+                   help="how far (wall seconds) the step loop may fall behind its modelled "
+                        "clock and still catch up, so the simulator's own processing time "
+                        "does not slow the modelled engine (0: it adds to every step)")  # fmt: skip
     p.add_argument("--events-port", type=int, default=5557, help="ZMQ PUB port for KV events")
     p.add_argument("--replay-port", type=int, default=5558, help="ZMQ ROUTER port for replay")
     p.add_argument("--no-replay", action="store_true", help="serve no replay endpoint")
@@ -87,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hash_seed=args.hash_seed,
         profile=args.profile,
         speed=args.speed,
+        max_lag_s=args.max_lag_s,
         events_port=args.events_port,
         replay_port=None if args.no_replay else args.replay_port,
         topic=args.topic,

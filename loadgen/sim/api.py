@@ -125,13 +125,23 @@ def submit(request: web.Request, prompt: list[int], params: GenParams) -> SimReq
     )
 
 
-async def token_stream(req: SimRequest) -> AsyncIterator[int]:
-    """The request's sampled tokens, until it finishes."""
+async def token_batches(req: SimRequest) -> AsyncIterator[list[int]]:
+    """The request's sampled tokens until it finishes, in batches: every token produced since
+    the last batch was taken. A stream that keeps up gets one token per chunk; one that falls
+    behind the engine gets them together, as vLLM's output processor sends a delta of all
+    new tokens (and the simulator does not spend a write per token when it is busiest)."""
     while True:
+        batch: list[int] = []
         item = await req.outputs.get()
+        while not isinstance(item, Finished):
+            batch.append(item)
+            if req.outputs.empty():
+                break
+            item = req.outputs.get_nowait()
+        if batch:
+            yield batch
         if isinstance(item, Finished):
             return
-        yield item
 
 
 def abort_unfinished(request: web.Request, req: SimRequest) -> None:
@@ -142,7 +152,7 @@ def abort_unfinished(request: web.Request, req: SimRequest) -> None:
 
 async def collect(request: web.Request, req: SimRequest) -> list[int]:
     try:
-        return [tok async for tok in token_stream(req)]
+        return [tok async for batch in token_batches(req) for tok in batch]
     finally:
         abort_unfinished(request, req)
 

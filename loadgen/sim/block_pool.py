@@ -156,6 +156,7 @@ class BlockPool:
             self.free_queue = self._belady = BeladyFreeQueue(self.blocks, oracle, evict_rule)
         self.null_block = self.free_queue.popleft()
         self._cached: dict[bytes, dict[int, Block]] = {}
+        self.removals = 0  # cached entries removed so far: earlier look-ups hold until it moves
         self.events: list[KVEvent] = events if events is not None else []
 
     @property
@@ -176,10 +177,15 @@ class BlockPool:
         entries = self._cached.get(block_hash)
         return next(iter(entries.values())) if entries else None
 
-    def find_longest_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[Block]:
-        """Cached blocks for the longest hit prefix, at most ``max_length`` tokens."""
-        hits: list[Block] = []
-        for block_hash in hashes[: max_length // self.block_size]:
+    def find_longest_cache_hit(
+        self, hashes: Sequence[bytes], max_length: int, known: Sequence[Block] = ()
+    ) -> list[Block]:
+        """Cached blocks for the longest hit prefix, at most ``max_length`` tokens; ``known``:
+        an earlier answer for the same hashes with no removal since (``removals``), which
+        stays a hit, so the search goes on from its end."""
+        limit = max_length // self.block_size
+        hits = list(known[:limit])
+        for block_hash in hashes[len(hits) : limit]:
             block = self.get_cached_block(block_hash)
             if block is None:
                 break  # hashes are chained: nothing after a miss can hit
@@ -215,6 +221,7 @@ class BlockPool:
             return
         if not entries:
             del self._cached[block_hash]
+        self.removals += 1
         self.events.append(BlockRemoved([event_id(block_hash)]))
 
     def record_use(self, hashes: Iterable[bytes]) -> None:
@@ -271,6 +278,7 @@ class BlockPool:
         if self.num_free != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self.removals += 1
         for block in self.blocks:
             block.block_hash = None
         if self._belady is not None:

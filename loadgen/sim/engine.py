@@ -57,6 +57,9 @@ class EngineConfig:
     cpu_l2_load_factor: float = 4.0  # an L2 load costs this many L1 loads (disk vs memory)
     scheduling_policy: SchedulingPolicy = "fcfs"  # --scheduling-policy
     speed: float = 1.0  # >1 runs faster than the profile
+    # how far (wall seconds) the step loop may fall behind its modelled clock and still catch
+    # up; 0: every step's own processing time adds to its modelled time
+    max_lag_s: float = 0.0
     reply_tokens: int = 16  # length of the canned answer before EOS
     evict_oracle: str = ""  # a Belady oracle file: evict by future use, not LRU (belady.py)
     evict_rule: EvictRule = "belady"  # with an oracle: Belady, or dead blocks first then LRU
@@ -107,6 +110,7 @@ class _StepPlan:
     l2_loaded_tokens: int = 0  # of loaded_tokens
     decodes: int = 0
     preempted: bool = False
+    arrived: float = float("-inf")  # the latest arrival among requests it admits
 
 
 class WaitingQueue:
@@ -285,11 +289,17 @@ class SimEngine:
 
     # -- the loop --------------------------------------------------------------------------
     async def _run(self) -> None:
+        """Steps on a modelled clock: each step ends ``step_seconds / speed`` after the last one
+        did, so the simulator's own processing time (scheduling, hashing, streaming the tokens)
+        is absorbed into the modelled step instead of added to it, as long as it is shorter on
+        the whole; what it cannot absorb beyond ``max_lag_s`` is dropped and counted
+        (``stats.lag_s``), since a real engine's steps do not wait on a Python simulator."""
         loop = asyncio.get_running_loop()
+        due = loop.time()  # when the last step ended on the modelled clock
         while True:
             if not self.busy:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
+                due = loop.time()
             plan = self._schedule()
             if not plan.scheduled and plan.preempted:  # the head preempted itself: step again
                 self.flush_events()
@@ -297,10 +307,10 @@ class SimEngine:
                 continue
             if not plan.scheduled:
                 self.flush_events()
-                self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
+                due = loop.time()
                 continue
-            seconds = self.profile.step_seconds(
+            step = self.profile.step_seconds(
                 prefill_tokens=plan.prefill_tokens,
                 cached_tokens=plan.cached_tokens,
                 loaded_tokens=plan.loaded_tokens,
@@ -308,9 +318,21 @@ class SimEngine:
                 l2_loaded_tokens=plan.l2_loaded_tokens,
                 l2_load_factor=self.config.cpu_l2_load_factor,
             )
-            await asyncio.sleep(seconds / self.config.speed)
+            seconds = step / self.config.speed
+            floor = loop.time() - self.config.max_lag_s
+            if floor > due:
+                self.stats.lag_s += floor - due
+                due = floor
+            # catching up never runs a request's first step before it arrived
+            due = max(due, plan.arrived) + seconds
+            self.stats.modelled_s += seconds
+            await asyncio.sleep(max(0.0, due - loop.time()))
             self._update(plan, loop.time())
             self.flush_events()
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        await self._wake.wait()
 
     def _schedule(self) -> _StepPlan:
         plan = _StepPlan(scheduled=[])
@@ -374,6 +396,7 @@ class SimEngine:
             plan.cached_tokens += local
             plan.loaded_tokens += external
             plan.l2_loaded_tokens += from_l2
+            plan.arrived = max(plan.arrived, req.arrival)
             self._plan_add(plan, req, n)
             budget -= n
 

@@ -29,6 +29,9 @@ class Sequence:
     cache_salt: str | None = None
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    # its last prefix look-up and the pool's removal count then: still exact until a cached
+    # block is removed, so a request waiting at the head of the queue only extends it
+    last_hits: tuple[int, list[Block]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +97,12 @@ class KVCacheManager:
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """Longest cached prefix (whole blocks), capped at ``num_tokens - 1`` tokens."""
         self.hasher.update(seq)
-        return self.pool.find_longest_cache_hit(seq.block_hashes, seq.num_tokens - 1)
+        known: list[Block] = []
+        if seq.last_hits is not None and seq.last_hits[0] == self.pool.removals:
+            known = seq.last_hits[1]
+        hits = self.pool.find_longest_cache_hit(seq.block_hashes, seq.num_tokens - 1, known)
+        seq.last_hits = (self.pool.removals, hits)
+        return list(hits)
 
     def record_lookup(self, seq: Sequence, hits: list[Block], *, preempted: bool = False) -> None:
         """Count an admitted request's lookup. vLLM 0.32 records at admission, so a request

@@ -19,7 +19,7 @@ from loadgen.sim.api import (
     open_sse,
     sse,
     submit,
-    token_stream,
+    token_batches,
     usage,
 )
 from loadgen.sim.engine import SimRequest
@@ -97,8 +97,8 @@ async def _stream_completion(
                     "choices": [{"index": 0, "text": text, "logprobs": None,
                                  "finish_reason": finish, "stop_reason": None}]}  # fmt: skip
 
-        async for token in token_stream(req):
-            await resp.write(sse(chunk(tok.decode([token]), None)))
+        async for batch in token_batches(req):
+            await resp.write(sse(chunk(tok.decode(batch), None)))
         await resp.write(sse(chunk("", req.finish_reason)))
         if params.include_usage:
             await resp.write(sse({"id": rid, "object": "text_completion", "created": created,
@@ -138,8 +138,8 @@ async def _stream_chat(
                                  "finish_reason": finish}]}  # fmt: skip
 
         await resp.write(sse(chunk({"role": "assistant", "content": ""}, None)))
-        async for token in token_stream(req):
-            await resp.write(sse(chunk({"content": tok.decode([token])}, None)))
+        async for batch in token_batches(req):
+            await resp.write(sse(chunk({"content": tok.decode(batch)}, None)))
         await resp.write(sse(chunk({}, req.finish_reason)))
         if params.include_usage:
             await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -198,7 +198,7 @@ async def _stream_messages(
     try:
         tok = request.app[TOKENIZER]
         started = False
-        async for token in token_stream(req):
+        async for batch in token_batches(req):
             if not started:  # cached tokens are known once the request is scheduled
                 started = True
                 await resp.write(
@@ -214,7 +214,7 @@ async def _stream_messages(
                 )  # fmt: skip
             await resp.write(
                 sse({"type": "content_block_delta", "index": 0,
-                     "delta": {"type": "text_delta", "text": tok.decode([token])}},
+                     "delta": {"type": "text_delta", "text": tok.decode(batch)}},
                     "content_block_delta")
             )  # fmt: skip
         await resp.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))

@@ -55,6 +55,7 @@ class SimConfig:
     hash_seed: str = "0"
     profile: str = "cpu-smollm2"
     speed: float = 1.0
+    max_lag_s: float = 1.0  # how far the step loop may run behind its modelled clock
     events_port: int = 0
     replay_port: int | None = 0  # None: no replay endpoint
     topic: str = "kv"
@@ -84,6 +85,7 @@ class SimConfig:
             cpu_l2_blocks=self.cpu_l2_blocks,
             cpu_l2_load_factor=self.cpu_l2_load_factor,
             speed=self.speed,
+            max_lag_s=self.max_lag_s,
             reply_tokens=self.reply_tokens,
             scheduling_policy=self.scheduling_policy,
             evict_oracle=self.evict_oracle,

@@ -55,6 +55,10 @@ class EngineStats:
     generation_tokens: int = 0
     external_queries: int = 0
     external_hits: int = 0
+    # wall seconds of modelled steps, and of the simulator's own processing time the modelled
+    # clock could not absorb (EngineConfig.max_lag_s): the share by which it ran slow
+    modelled_s: float = 0.0
+    lag_s: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=Histogram)
     # vLLM's request_prefill_time (first scheduling to first token) and inter-token latency
@@ -94,6 +98,14 @@ class EngineCollector:
         yield from self._gauges(labels)
         yield self._success(labels)
         yield from self._latencies(labels)
+        for name, doc, value in (
+            ("modelled_seconds", "Wall seconds of the modelled engine steps", e.stats.modelled_s),
+            ("lag_seconds", "Wall seconds the step loop ran behind its modelled clock and "
+             "could not catch up (the simulator's own processing time)", e.stats.lag_s),
+        ):  # fmt: skip
+            fam = CounterMetricFamily(f"kvkeeper_sim_{name}", doc, labels=[])
+            fam.add_metric([], value)
+            yield fam
         if (oracle := e.pool.oracle) is not None:  # the simulator's own: evicting by the future
             for name, doc, value in (
                 ("prompt_blocks", "Prompt blocks of admitted requests", oracle.admitted),

@@ -174,6 +174,9 @@ async def test_compare_engine_and_kvkeeper_on_the_simulator(tmp_path: Path) -> N
     if work["preemptions"] == 0:
         assert work["computed_tokens"] == prompt - cached_
     assert "the engines computed" in (out / "compare.md").read_text()
+    # the simulator reports how far its own work put it behind its modelled clock
+    assert 0.0 <= work["sim_lag"] < 1.0
+    assert "behind its modelled clock" in (out / "compare.md").read_text()
     # a plain client through kvkeeper sends the same requests as one straight to the engine
     assert targets["none"]["retention_prompt_tokens"] == 0
     assert targets["engine"]["retention_prompt_tokens"] is None

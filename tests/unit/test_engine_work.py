@@ -26,3 +26,17 @@ def test_no_prefix_cache_counters_no_figures() -> None:
     assert engine_work(None) is None
     assert engine_work({}) is None
     assert engine_work({"vllm:num_preemptions_total": 3}) is None
+
+
+def test_a_simulators_lag_is_a_share_of_its_modelled_time() -> None:
+    counters = {
+        "vllm:prefix_cache_queries_total": 10,
+        "vllm:prefix_cache_hits_total": 4,
+        "kvkeeper_sim_modelled_seconds_total": 40.0,
+        "kvkeeper_sim_lag_seconds_total": 10.0,
+    }
+    assert engine_work(counters) == {
+        "computed_tokens": 6, "tier_loaded_tokens": 0, "preemptions": 0, "sim_lag": 0.25
+    }  # fmt: skip
+    idle = {**counters, "kvkeeper_sim_modelled_seconds_total": 0.0}
+    assert "sim_lag" not in (engine_work(idle) or {})  # nothing modelled, nothing to share

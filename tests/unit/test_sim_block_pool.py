@@ -223,3 +223,42 @@ def test_duplicate_blocks_are_not_deduplicated() -> None:
     removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
     assert removed == [ids(A[:8])[1], ids(A[:8])[1]]
     assert kv.pool.eviction_order() == [1]
+
+
+def test_a_waiting_requests_remembered_lookup_matches_a_fresh_one() -> None:
+    """The head of the queue looks its prefix up at every step; the answer it remembers is
+    extended while nothing cached is removed and redone after a removal, and is always the
+    one a fresh look-up gives (random prompts over shared prefixes, a pool small enough to
+    evict, requests coming and going)."""
+    import random
+
+    rng = random.Random(7)
+    kv, _ = make(24)
+    stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    waiting = Sequence("w", [*stems[0], *(rng.randrange(50) for _ in range(20))])
+    live: list[str] = []
+    remembered = 0
+    for step in range(300):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            free(kv, live.pop(rng.randrange(len(live))))
+        else:
+            stem = stems[rng.randrange(3)]
+            tokens = [*stem[: rng.randrange(4, 13)], *(rng.randrange(50) for _ in range(6))]
+            name = f"r{step}"
+            seq = Sequence(name, tokens)
+            hits = kv.get_computed_blocks(seq)
+            if kv.allocate_slots(seq, len(tokens) - len(hits) * BS, len(hits) * BS, hits):
+                kv.record_lookup(seq, hits)
+                seq.num_computed_tokens = len(tokens)
+                SEQS[name] = seq
+                live.append(name)
+            else:
+                kv.free(seq)
+        before = waiting.last_hits
+        remembered += before is not None and before[0] == kv.pool.removals
+        got = kv.get_computed_blocks(waiting)
+        fresh = kv.pool.find_longest_cache_hit(waiting.block_hashes, waiting.num_tokens - 1)
+        assert got == fresh, step
+    assert remembered > 50  # the memo was used, not only recomputed
+    for name in live:
+        free(kv, name)

@@ -269,6 +269,69 @@ async def test_cpu_profile_timing_matches_the_measured_engine(make_engine: Facto
     assert 0.08 < warm < 0.4
 
 
+@pytest.mark.parametrize(
+    ("max_lag_s", "work_s", "wall_s", "lag_s"),
+    [
+        (0.0, 0.01, 0.58, 0.19),  # every step's own processing time adds to it
+        (1.0, 0.01, 0.39, 0.0),  # absorbed: the modelled clock holds
+        (0.05, 0.03, 0.6, 0.16),  # more work than the steps model: caught up to 50 ms, then late
+    ],
+)
+async def test_steps_keep_the_modelled_clock_within_the_lag_allowed(
+    make_engine: Factory, max_lag_s: float, work_s: float, wall_s: float, lag_s: float
+) -> None:
+    """A prefill step that costs nothing, then 19 decode steps of 20 ms; after each step the
+    simulator itself works for ``work_s`` of wall time (what streaming and bookkeeping cost
+    it). The request takes the modelled 0.38 s when that work fits in the steps and the lag
+    allowed; the part that does not is counted as lag."""
+    profile = Profile("decode-20ms", 0.0, 0.0, 0.0, 0.02, 0.0, 0.0, 1)
+    engine, _ = make_engine(profile, num_blocks=64, max_lag_s=max_lag_s)
+    update = engine._update
+
+    def working_update(plan: object, now: float) -> None:
+        update(plan, now)  # type: ignore[arg-type]
+        time.sleep(work_s)  # blocks the loop, as the simulator's own Python work does
+
+    engine._update = working_update  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    await drain(engine.add_request([1, 2, 3], max_tokens=20, ignore_eos=True, reply=REPLY))
+    took = time.perf_counter() - t0
+    assert engine.stats.modelled_s == pytest.approx(0.38)
+    # at least the work that could not be absorbed; more on a loaded machine (the loop's own
+    # overhead counts too), but never any when everything fits in the lag allowed
+    assert lag_s - 0.03 <= engine.stats.lag_s <= lag_s + 0.1
+    if lag_s == 0.0:
+        assert engine.stats.lag_s == 0.0
+    assert wall_s - 0.03 < took < wall_s + 0.15
+
+
+async def test_catching_up_never_starts_a_requests_first_step_before_it_arrived(
+    make_engine: Factory,
+) -> None:
+    """A decodes while the simulator falls behind its modelled clock (30 ms of its own work
+    after every 20 ms step); B arrives then, with a prefill modelled at 50 ms. Catching up
+    runs A's late steps back to back, but B's first token still comes a whole modelled step
+    (B's prefill and A's decode, 70 ms) after B arrived."""
+    profile = Profile("prefill-10ms-decode-20ms", 0.01, 0.0, 0.0, 0.02, 0.0, 0.0, 1)
+    engine, _ = make_engine(profile, num_blocks=64, max_lag_s=1.0)
+    update = engine._update
+
+    def working_update(plan: object, now: float) -> None:
+        update(plan, now)  # type: ignore[arg-type]
+        time.sleep(0.03)
+
+    engine._update = working_update  # type: ignore[method-assign]
+    a = engine.add_request([1], max_tokens=60, ignore_eos=True, reply=REPLY)
+    for _ in range(10):  # A's first ten tokens: the clock is behind by then
+        await a.outputs.get()
+    assert a.finish_reason is None  # B shares its steps
+    b = engine.add_request([2, 3, 4, 5, 6], max_tokens=1, reply=REPLY)
+    await drain(b)
+    await drain(a)
+    assert b.first_token_at is not None
+    assert b.first_token_at - b.arrival >= 0.07 - 0.005
+
+
 def test_tokenizer_round_trips_and_chat_prefixes_are_stable() -> None:
     tok = SimTokenizer()
     text = "Hello, world!  tabs\tand\nnewlines, ünïcödé 中文 🎉"

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 GPU = "GPU"
 _END_SEQ = -1
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +85,16 @@ def _hash(value: Any) -> int:
     if isinstance(value, bytes | bytearray):
         return event_id(bytes(value))
     if isinstance(value, int):
-        return value & ((1 << 64) - 1)  # signed ints from some encoders
+        return value & _MASK64  # signed ints from some encoders
     raise EventDecodeError(f"bad block hash {value!r}")
 
 
 def _hashes(values: Any) -> tuple[int, ...]:
-    return tuple(_hash(v) for v in values or ())
+    if not values:
+        return ()
+    if all(type(v) is int for v in values):  # the usual wire form: one pass, no per-item checks
+        return tuple(v & _MASK64 for v in values)
+    return tuple(_hash(v) for v in values)
 
 
 def _medium(value: Any) -> str:
@@ -262,6 +267,9 @@ class KVEventSubscriber:
                     frames = await sock.recv_multipart()
                     await self._on_frames(frames)
                     delay = self._backoff[0]
+                    # a backlog of batches arrives as already-done futures, which await
+                    # without yielding: let the proxy's requests in between batches
+                    await asyncio.sleep(0)
             except zmq.ZMQError as exc:
                 self.stats.reconnects += 1
                 log.warning("kv events %s: %s; reconnecting in %.1fs", self.endpoint, exc, delay)

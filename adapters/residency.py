@@ -74,9 +74,7 @@ class ResidencyIndex:
         self._trim(self._last_used)
 
     def _store(self, event: BlockStored, at: float) -> None:
-        table = self._resident.setdefault(event.medium, {})
-        for h in event.block_hashes:
-            table[h] = at
+        self._resident.setdefault(event.medium, {}).update(dict.fromkeys(event.block_hashes, at))
         self.stored_events += 1
 
     def _remove(self, event: BlockRemoved, at: float) -> None:

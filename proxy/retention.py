@@ -115,8 +115,7 @@ class HorizonTap:
         for event in batch.events:
             if isinstance(event, BlockStored) and event.medium == GPU:
                 stored += len(event.block_hashes)
-                for h in event.block_hashes:
-                    self._stored_at[h] = at
+                self._stored_at.update(dict.fromkeys(event.block_hashes, at))
             elif isinstance(event, BlockRemoved) and event.medium == GPU:
                 for h in event.block_hashes:
                     # the index still knows the last use: it applies this batch below

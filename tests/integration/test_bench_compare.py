@@ -246,7 +246,9 @@ async def test_base_names_the_reference_of_every_relative_figure(tmp_path: Path)
     )
     assert doc["base"] == "engine-notier"
     notier, lmcache = doc["targets"]["engine-notier"], doc["targets"]["engine"]
-    assert notier["hit_rate_vs_base_pp"] == 0.0 and notier["gap_closed"] == 0.0
+    assert notier["hit_rate_vs_base_pp"] == 0.0
+    # none of the gap closed; None when the run's own timeline left no gap (timing-dependent)
+    assert notier["gap_closed"] in (0.0, None)
     assert lmcache["hit_rate_vs_base_pp"] == pytest.approx(
         100 * (lmcache["hit_rate"] - notier["hit_rate"])
     )

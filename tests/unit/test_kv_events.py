@@ -86,6 +86,17 @@ def test_map_batch_bytes_hashes_and_unknown_events() -> None:
     assert stored.medium == "GPU"
 
 
+def test_hash_lists_signed_unsigned_and_mixed_with_digests() -> None:
+    digest = bytes(range(32))
+    low = int.from_bytes(digest[-8:], "big")
+    ints = decode_event(["BlockRemoved", [-1, 5, (1 << 64) - 2], "GPU"])
+    mixed = decode_event(["BlockRemoved", [digest, -2, 7], None])
+    assert ints == BlockRemoved(((1 << 64) - 1, 5, (1 << 64) - 2), "GPU")
+    assert mixed == BlockRemoved((low, (1 << 64) - 2, 7), "GPU")
+    with pytest.raises(EventDecodeError):
+        decode_event(["BlockRemoved", [5, "x"], None])
+
+
 @pytest.mark.parametrize(
     "payload",
     [b"\xc1", msgpack.packb(5), msgpack.packb([1.0]), msgpack.packb([1.0, 7]), b""],

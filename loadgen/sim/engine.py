@@ -59,7 +59,7 @@ class EngineConfig:
     speed: float = 1.0  # >1 runs faster than the profile
     # how far (wall seconds) the step loop may fall behind its modelled clock and still catch
     # up; 0: every step's own processing time adds to its modelled time
-    max_lag_s: float = 0.0
+    max_lag_s: float = 1.0
     reply_tokens: int = 16  # length of the canned answer before EOS
     evict_oracle: str = ""  # a Belady oracle file: evict by future use, not LRU (belady.py)
     evict_rule: EvictRule = "belady"  # with an oracle: Belady, or dead blocks first then LRU

@@ -92,7 +92,7 @@ def _hash(value: Any) -> int:
 def _hashes(values: Any) -> tuple[int, ...]:
     if not values:
         return ()
-    if all(type(v) is int for v in values):  # the usual wire form: one pass, no per-item checks
+    if all(type(v) is int for v in values):  # the usual wire form: no call per item
         return tuple(v & _MASK64 for v in values)
     return tuple(_hash(v) for v in values)
 

@@ -619,6 +619,13 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
         await _known_blocks(st, "w", n=31)
         served += await _flood(st)
         kept = cached(await st.complete(prompt(1), {"session_id": "kept"}))
+        retention, es = _engine_state(st)
+
+        async def idle() -> bool:  # a touch still queued would decline it as engine_busy
+            load = await retention.fresh_load(es)
+            return load is not None and not load.waiting
+
+        assert await wait_for(idle), "the engine kept a request waiting"
         warm = (await st.manage("w", "prefetch"))["results"][0]
         assert warm["status"] == "rejected" and warm["reason"] == "exceeds_overhead_budget", warm
         assert warm["detail"]["recompute_tokens"] == 31 * BLOCK + 1

@@ -210,7 +210,11 @@ async def test_an_agents_anchor_pinned_in_the_tier_outlives_a_flood(
                 await asyncio.sleep(0.1)
         if pin_anchors:
             assert await wait_for(pins(4)), tier.pins
-            assert await st.metric("kvkeeper_tier_pinned_anchors") == 1
+
+            async def one_anchor() -> bool:  # the gauge follows on the pins' next pass
+                return await st.metric("kvkeeper_tier_pinned_anchors") == 1
+
+            assert await wait_for(one_anchor), tier.pins
             assert await st.metric("kvkeeper_tier_pinned_sessions") == 0
             assert await st.metric("kvkeeper_offloads_total") == 0  # sessions only
             retention = st.runtime().retention

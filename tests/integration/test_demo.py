@@ -25,4 +25,7 @@ def test_the_demo_runs_both_targets_and_writes_its_report(tmp_path: Path) -> Non
     assert (direct["label"], kept["label"]) == ("direct", "kvkeeper")
     assert direct["requests"] == kept["requests"] > 0  # the same workload, every call answered
     assert direct["errors"] == kept["errors"] == 0
-    assert direct["retention_prompt_tokens"] is None and kept["retention_prompt_tokens"] > 0
+    # kvkeeper's own metrics were read (touches happen only under pressure, which a 3-user swarm
+    # on a fast simulator may not reach), and its full hints were applied: finished sessions evicted
+    assert direct["retention_prompt_tokens"] is None and kept["retention_prompt_tokens"] >= 0
+    assert direct["manage"] == {} and kept["manage"].get("evict:applied", 0) > 0

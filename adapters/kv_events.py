@@ -148,10 +148,69 @@ def decode_event(event: Any) -> KVEvent | None:
     raise EventDecodeError(f"bad event {event!r:.80}")
 
 
-def decode_batch(payload: bytes) -> EventBatch:
-    """Decode one msgpack ``EventBatch`` payload (array or map form)."""
+def _read_event(u: msgpack.Unpacker) -> Any:
+    """One event from ``u`` as ``unpackb`` would return it, its token ids skipped (read as [])."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        n = u.read_array_header()
+    except ValueError:  # not an array: the map form (anything else raises below)
+        event: dict[Any, Any] = {}
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            if key == "token_ids":
+                u.skip()
+                event[key] = []
+            else:
+                event[key] = u.unpack()
+        return event
+    fields: list[Any] = []
+    for i in range(n):
+        if i == 3 and fields[0] == "BlockStored":  # [kind, hashes, parent, token_ids, ...]
+            u.skip()
+            fields.append([])
+        else:
+            fields.append(u.unpack())
+    return fields
+
+
+def _unpack_without_tokens(payload: bytes) -> Any:
+    """``msgpack.unpackb`` of a batch, except that every ``BlockStored``'s token ids are skipped
+    in C instead of built as Python ints: for a 100K-token prompt that is most of the payload.
+    Anything unexpected raises, and the caller decodes the whole payload instead."""
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(payload), 1))
+    u.feed(payload)
+    batch: Any
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        batch = {}
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            batch[key] = (
+                [_read_event(u) for _ in range(u.read_array_header())]
+                if key == "events"
+                else u.unpack()
+            )
+    else:
+        batch = [u.unpack()]  # ts
+        if n > 1:
+            batch.append([_read_event(u) for _ in range(u.read_array_header())])
+        batch += [u.unpack() for _ in range(n - 2)]
+    if u.tell() != len(payload):
+        raise ValueError("trailing data")
+    return batch
+
+
+def decode_batch(payload: bytes, *, token_ids: bool = True) -> EventBatch:
+    """Decode one msgpack ``EventBatch`` payload (array or map form). ``token_ids=False``: the
+    ``BlockStored`` events come without their token ids (kvkeeper's own index needs only the
+    hashes), which makes decoding a long prompt's batch several times cheaper."""
+    raw: Any = None
+    if not token_ids:
+        with contextlib.suppress(Exception):
+            raw = _unpack_without_tokens(payload)
+    try:
+        if raw is None:
+            raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise EventDecodeError(f"not msgpack: {exc}") from exc
     if isinstance(raw, dict):
@@ -311,7 +370,7 @@ class KVEventSubscriber:
         self.stats.last_seq = seq
         self.stats.last_batch_at = time.monotonic()
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, token_ids=False)
         except EventDecodeError as exc:
             self.stats.decode_errors += 1
             log.warning("kv events %s: undecodable batch %d: %s", self.endpoint, seq, exc)

@@ -13,19 +13,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat
 
 from adapters.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-
-
-@dataclass(frozen=True, slots=True)
-class Eviction:
-    """One evicted block whose last use the proxy had recorded."""
-
-    at: float  # when the BlockRemoved arrived
-    age: float  # seconds between the proxy's last use and the eviction
-    medium: str
 
 
 class ResidencyIndex:
@@ -43,7 +34,8 @@ class ResidencyIndex:
         self._resident: dict[str, dict[int, float]] = {}  # medium -> hash -> stored at
         self._removed: OrderedDict[int, float] = OrderedDict()  # hash -> last removed at
         self._last_used: OrderedDict[int, float] = OrderedDict()  # hash -> proxy's last use
-        self._evictions: deque[Eviction] = deque(maxlen=max_evictions)
+        # (removed at, seconds since the proxy's last use) of evicted GPU blocks
+        self._evictions: deque[tuple[float, float]] = deque(maxlen=max_evictions)
         self.stored_events = 0
         self.removed_events = 0
         self.clears = 0
@@ -78,14 +70,19 @@ class ResidencyIndex:
         self.stored_events += 1
 
     def _remove(self, event: BlockRemoved, at: float) -> None:
-        table = self._resident.get(event.medium, {})
-        for h in event.block_hashes:
-            table.pop(h, None)
-            self._removed[h] = at
-            self._removed.move_to_end(h)
-            used = self._last_used.get(h)
-            if used is not None and event.medium == GPU:
-                self._evictions.append(Eviction(at=at, age=max(0.0, at - used), medium=GPU))
+        hashes = event.block_hashes
+        table = self._resident.get(event.medium)
+        if table:
+            deque(map(table.pop, hashes, repeat(None)), maxlen=0)  # pops in C
+        # re-inserted at the end: the most recently removed last, as move_to_end would
+        deque(map(self._removed.pop, hashes, repeat(None)), maxlen=0)
+        self._removed.update(dict.fromkeys(hashes, at))
+        if event.medium == GPU and self._last_used:
+            used = self._last_used
+            hits = [h for h in hashes if h in used]
+            if self._evictions.maxlen is not None:  # only the newest are kept
+                hits = hits[-self._evictions.maxlen :]
+            self._evictions.extend(zip(repeat(at), [max(0.0, at - used[h]) for h in hits]))
         self._trim(self._removed)
         self.removed_events += 1
 
@@ -131,6 +128,10 @@ class ResidencyIndex:
     def last_used(self, block_id: int) -> float | None:
         return self._last_used.get(block_id)
 
+    def last_used_many(self, block_ids: Iterable[int]) -> Iterator[float]:
+        """The proxy's last use of each block, 0.0 where it has none (no call per block)."""
+        return map(self._last_used.get, block_ids, repeat(0.0))
+
     def size(self, medium: str = GPU) -> int:
         """Number of blocks resident in ``medium``."""
         return len(self._resident.get(medium, {}))
@@ -141,7 +142,7 @@ class ResidencyIndex:
     # LRU horizon ---------------------------------------------------------------------------
     def eviction_ages(self, since: float | None = None) -> list[float]:
         """Ages (seconds since the proxy's last use) of blocks evicted at or after ``since``."""
-        return [e.age for e in self._evictions if since is None or e.at >= since]
+        return [age for at, age in self._evictions if since is None or at >= since]
 
     def lru_horizon(
         self, *, window: float = 300.0, quantile: float = 0.1, now: float | None = None

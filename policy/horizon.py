@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -108,9 +108,18 @@ class HorizonEstimator:
             self._evictions.append((at, age_s))
 
     def observe_evictions(self, ages_s: Iterable[float], at: float) -> None:
-        """All blocks of one BlockRemoved event (or one tick's batch) removed at ``at``."""
-        for age in ages_s:
-            self.observe_eviction(age, at)
+        """All blocks of one BlockRemoved event (or one tick's batch) removed at ``at``.
+
+        Only the newest ``window`` valid ages can stay, so a long prompt's thousands of
+        evictions are walked from the end and the rest skipped.
+        """
+        kept: list[tuple[float, float]] = []
+        for age in reversed(ages_s if isinstance(ages_s, Sequence) else list(ages_s)):
+            if age >= 0 and math.isfinite(age):
+                kept.append((at, age))
+                if len(kept) == self.config.window:
+                    break
+        self._evictions.extend(reversed(kept))
 
     def observe_resume(
         self, gap_s: float, cached_tokens: int, expected_cached_tokens: int, at: float

@@ -29,6 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import aiohttp
@@ -117,11 +118,11 @@ class HorizonTap:
                 stored += len(event.block_hashes)
                 self._stored_at.update(dict.fromkeys(event.block_hashes, at))
             elif isinstance(event, BlockRemoved) and event.medium == GPU:
-                for h in event.block_hashes:
-                    # the index still knows the last use: it applies this batch below
-                    last = max(self.index.last_used(h) or 0.0, self._stored_at.pop(h, 0.0))
-                    if last > 0:
-                        ages.append(at - last)
+                hashes = event.block_hashes
+                # the index still knows the last use: it applies this batch below
+                used = self.index.last_used_many(hashes)
+                stored_at = map(self._stored_at.pop, hashes, repeat(0.0))
+                ages.extend(at - last for last in map(max, used, stored_at) if last > 0)
             elif isinstance(event, AllBlocksCleared):
                 self._stored_at.clear()
         if stored:

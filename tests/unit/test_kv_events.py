@@ -125,3 +125,55 @@ def test_malformed_event_raises() -> None:
 )
 def test_endpoint_for_host(endpoint: str, expected: str) -> None:
     assert endpoint_for_host(endpoint, "10.0.0.7") == expected
+
+
+def _without_tokens(batch: object) -> object:
+    from dataclasses import replace
+
+    assert hasattr(batch, "events")
+    return tuple(
+        replace(e, token_ids=()) if isinstance(e, BlockStored) else e
+        for e in batch.events  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        REAL_032,
+        msgpack.packb(
+            [1.0, [["BlockStored", [1, 2], None, list(range(64)), 32, None, "GPU"],
+                   ["BlockStored", [3], 2, list(range(32)), 32], ["BlockRemoved", [1], "CPU"],
+                   ["AllBlocksCleared"]], 3]
+        ),
+        msgpack.packb([2.0, [["BlockRemoved", [9]]]]),  # no rank
+        msgpack.packb(
+            {"events": [{"type": "BlockStored", "block_hashes": [bytes(32)], "token_ids": [7] * 32,
+                         "parent_block_hash": None, "block_size": 32}], "ts": 4.0}
+        ),
+    ],
+)  # fmt: skip
+def test_decoding_without_token_ids_gives_the_same_batch_less_the_tokens(payload: bytes) -> None:
+    full, lean = decode_batch(payload), decode_batch(payload, token_ids=False)
+    assert (lean.ts, lean.dp_rank) == (full.ts, full.dp_rank)
+    assert lean.events == _without_tokens(full)
+    # every stored event here carries tokens, so the lean decode really dropped something
+    assert all(e.token_ids for e in full.events if isinstance(e, BlockStored))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb([1.0]),
+        msgpack.packb({"ts": 1.0, "events": 5}),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2]]]]) + b"\x00",  # trailing data
+        msgpack.packb([1.0, [[7, [1]]]]),
+    ],
+)
+def test_decoding_without_token_ids_fails_as_the_full_decoder_does(payload: bytes) -> None:
+    with pytest.raises(EventDecodeError) as full:
+        decode_batch(payload)
+    with pytest.raises(EventDecodeError) as lean:
+        decode_batch(payload, token_ids=False)
+    assert type(lean.value) is type(full.value)

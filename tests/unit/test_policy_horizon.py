@@ -68,6 +68,17 @@ def test_window_keeps_only_recent_samples() -> None:
     assert est.seconds >= 11.0  # ages 1..10 were pushed out of the window
 
 
+def test_one_long_removal_keeps_the_newest_valid_ages_as_single_observations_would() -> None:
+    config = HorizonConfig(window=10, min_samples=8, quantile=0.1)
+    ages = [float(a) for a in range(1, 31)] + [math.nan, -1.0]  # invalid ones at the end
+    batched, single = HorizonEstimator(config), HorizonEstimator(config)
+    batched.observe_evictions(iter(ages), at=5.0)  # any iterable, not only a sequence
+    for age in ages:
+        single.observe_eviction(age, at=5.0)
+    assert batched.estimate(now=5.0) == single.estimate(now=5.0)
+    assert batched.estimate(now=5.0).samples == 10 and batched.estimate(now=5.0).seconds == 21.0
+
+
 def test_pressure_drop_follows_recent_samples() -> None:
     """Horizon was ~100 s; pressure rises and evictions now happen at ~10 s."""
     h = HorizonEstimator(HorizonConfig(half_life_s=60.0, min_samples=4, quantile=0.5))

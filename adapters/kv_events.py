@@ -276,8 +276,10 @@ class KVEventSubscriber:
         replay_timeout: float = 2.0,
         backoff: tuple[float, float] = (0.1, 5.0),
         context: zmq.asyncio.Context | None = None,
+        token_ids: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self.token_ids = token_ids  # decode stored blocks' token ids (see decode_batch)
         self.replay_endpoint = replay_endpoint
         self.sink = sink
         self.stats = SubscriberStats()
@@ -370,7 +372,7 @@ class KVEventSubscriber:
         self.stats.last_seq = seq
         self.stats.last_batch_at = time.monotonic()
         try:
-            batch = decode_batch(payload, token_ids=False)
+            batch = decode_batch(payload, token_ids=self.token_ids)
         except EventDecodeError as exc:
             self.stats.decode_errors += 1
             log.warning("kv events %s: undecodable batch %d: %s", self.endpoint, seq, exc)

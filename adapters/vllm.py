@@ -338,8 +338,9 @@ class VLLMAdapter:
             self.capabilities = self._capabilities()
         return self.events
 
-    def subscribe(self, sink: EventSink) -> KVEventSubscriber:
-        """A started subscriber feeding ``sink`` (usually a ``ResidencyIndex``)."""
+    def subscribe(self, sink: EventSink, *, token_ids: bool = False) -> KVEventSubscriber:
+        """A started subscriber feeding ``sink`` (usually a ``ResidencyIndex``); ``token_ids``:
+        decode each stored block's token ids too (kvkeeper's index needs only the hashes)."""
         if self.events is None:
             raise Unsupported(f"{self.name}: no KV-event endpoint known")
         sub = KVEventSubscriber(
@@ -347,6 +348,7 @@ class VLLMAdapter:
             sink,
             replay_endpoint=self.events.replay_endpoint,
             topic=self.events.topic,
+            token_ids=token_ids,
         )
         sub.start()
         return sub

@@ -122,7 +122,7 @@ def adapter(vllm_engine: VLLMEngine, session: aiohttp.ClientSession) -> VLLMAdap
 @pytest.fixture
 async def followed(adapter: VLLMAdapter) -> AsyncIterator[tuple[RecordingSink, KVEventSubscriber]]:
     sink = RecordingSink()
-    sub = adapter.subscribe(sink)
+    sub = adapter.subscribe(sink, token_ids=True)  # the test compares them with the tokenizer
     await sub.wait_connected()
     await asyncio.sleep(0.5)  # ZMQ slow joiner: let the subscription reach the publisher
     yield sink, sub

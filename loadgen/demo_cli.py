@@ -24,7 +24,7 @@ from loadgen.metrics import summarize
 from loadgen.report import render_report
 from loadgen.runner import RunOptions, RunResult, Target, run_workload
 from loadgen.sim import SimConfig, run_simulator_process
-from loadgen.targets import start_kvkeeper
+from loadgen.stack import start_kvkeeper
 from loadgen.workloads import build_workload
 from loadgen.workloads.hints import HintPolicy
 

@@ -33,7 +33,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen.sim.server import SimConfig
-from loadgen.targets import start_kvkeeper, start_redis, start_sims
+from loadgen.stack import start_kvkeeper, start_redis, start_sims
 
 PATHS = ("direct", "kvkeeper", "kvkeeper+hint")
 

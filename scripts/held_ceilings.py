@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadgen.bench_compare import realized_replay, replay_rates
+from loadgen.compare_ceilings import realized_replay, replay_rates
 from loadgen.runner import RunResult
 from loadgen.workloads import build_workload
 

@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadgen.bench_compare import gap_closed
+from loadgen.compare_ceilings import gap_closed
 
 VANILLA, BELADY = "engine-notier", "engine-belady"
 SETTINGS = (

@@ -11,18 +11,13 @@ import pytest
 import yaml
 
 from loadgen import ceiling
-from loadgen.bench_compare import (
-    CompareSpec,
-    aggregate_rounds,
-    largest_request_blocks,
-    plan_targets,
-    realized_replay,
-    replay_rates,
-    run_compare,
-)
+from loadgen.bench_compare import CompareSpec, run_compare
+from loadgen.bench_targets import plan_targets
+from loadgen.compare_ceilings import largest_request_blocks, realized_replay, replay_rates
+from loadgen.compare_doc import aggregate_rounds
 from loadgen.runner import RunOptions, RunResult
 from loadgen.sim.server import SimConfig
-from loadgen.targets import find_router
+from loadgen.stack import find_router
 from loadgen.workloads import build_workload
 from loadgen.workloads.base import Workload
 from proxy.cli import build_parser, main

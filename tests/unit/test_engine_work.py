@@ -1,8 +1,8 @@
-"""loadgen.bench_compare.engine_work: what the engines did in a run, from vLLM's counters."""
+"""loadgen.compare_doc.engine_work: what the engines did in a run, from vLLM's counters."""
 
 from __future__ import annotations
 
-from loadgen.bench_compare import engine_work
+from loadgen.compare_doc import engine_work
 
 
 def test_computed_is_what_neither_the_gpu_cache_nor_the_tier_held() -> None:

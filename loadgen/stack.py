@@ -31,7 +31,7 @@ import yaml
 
 from loadgen.sim.server import SimConfig, SimEndpoints, run_simulator_process
 
-ROUTER_FALLBACK = "/tmp/vr/bin/vllm-router"  # where this machine's copy of PyPI 0.1.17 lives
+ROUTER_ENV = "KVKEEPER_VLLM_ROUTER"  # a vllm-router executable that is not on PATH
 
 
 class TargetError(RuntimeError):
@@ -46,13 +46,10 @@ def free_port() -> int:
 
 
 def find_router(explicit: str | None = None) -> str | None:
-    """The ``vllm-router`` executable: ``explicit``, else on PATH, else the local install."""
-    if explicit:
+    """The ``vllm-router`` executable: ``explicit``, else $KVKEEPER_VLLM_ROUTER, else on PATH."""
+    if explicit := explicit or os.environ.get(ROUTER_ENV):
         return explicit if Path(explicit).exists() else None
-    found = shutil.which("vllm-router")
-    if found:
-        return found
-    return ROUTER_FALLBACK if Path(ROUTER_FALLBACK).exists() else None
+    return shutil.which("vllm-router")
 
 
 @asynccontextmanager

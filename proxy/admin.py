@@ -6,18 +6,21 @@ that tenant's sessions. Redis down -> 503.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from proxy import jsonio
 from proxy.auth import Principal
 from proxy.errors import BadRequest, NotFound, StoreUnavailable
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import STATES, Session, SessionStore, StoreDown
 
 MAX_PAGE = 500
+_CURSOR = re.compile(r"[0-9]{1,9}:[0-9]{1,9}")  # tenant index : offset, as next_cursor writes
 MAX_TREE_NODES = 1000
 AdminHandler = Callable[[web.Request, Runtime, SessionStore, Principal], Awaitable[web.Response]]
 
@@ -64,10 +67,9 @@ async def list_sessions(
         raise BadRequest(f"state must be one of {', '.join(STATES)}", param="state")
     limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
     cursor = request.query.get("cursor", "0:0")
-    try:
-        t_index, offset = (int(p) for p in cursor.split(":", 1))
-    except ValueError:
-        raise BadRequest("cursor is malformed", param="cursor") from None
+    if _CURSOR.fullmatch(cursor) is None:
+        raise BadRequest("cursor is malformed", param="cursor")
+    t_index, offset = (int(p) for p in cursor.split(":", 1))
     requested = request.query.get("tenant")
     tenants = (
         [principal.scope(requested)] if requested or principal.tenant else await store.tenants()
@@ -170,8 +172,8 @@ async def _json_params(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
     try:
-        body = await request.json()
-    except ValueError:
+        body = jsonio.loads(await request.read())
+    except (ValueError, UnicodeDecodeError):
         raise BadRequest("body must be a JSON object", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object", code="invalid_json")

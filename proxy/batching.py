@@ -25,7 +25,8 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 
 Arg = bytes | str | int | float
-_Call = tuple[str, Sequence[Arg], Sequence[Arg], "asyncio.Future[Any]"]
+# a queued call: script name, its packed numkeys + keys + args, the caller's future
+_Call = tuple[str, int, bytes, "asyncio.Future[Any]"]
 
 
 def _bulk(value: Arg) -> bytes:
@@ -40,12 +41,18 @@ def _bulk(value: Arg) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(data), data)
 
 
-def pack_command(head: bytes, n_head: int, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
-    """One RESP array: ``head`` (``n_head`` packed bulk strings), numkeys, keys, args."""
-    parts = [b"*%d\r\n" % (n_head + 1 + len(keys) + len(args)), head, _bulk(len(keys))]
+def pack_tail(keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[int, bytes]:
+    """numkeys, keys and args as RESP bulk strings: (how many, bytes)."""
+    parts = [_bulk(len(keys))]
     parts += [_bulk(k) for k in keys]
     parts += [_bulk(a) for a in args]
-    return b"".join(parts)
+    return len(parts), b"".join(parts)
+
+
+def pack_command(head: bytes, n_head: int, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
+    """One RESP array: ``head`` (``n_head`` packed bulk strings), numkeys, keys, args."""
+    n, tail = pack_tail(keys, args)
+    return b"*%d\r\n%b%b" % (n_head + n, head, tail)
 
 
 class ScriptBatcher:
@@ -69,9 +76,14 @@ class ScriptBatcher:
         self._head[name] = _bulk("EVALSHA") + _bulk(sha)
 
     async def call(self, script: str, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        # packed here, in the caller: arguments that cannot be packed (text with a lone
+        # surrogate) fail this call alone, never the batch it would have joined
+        if script not in self._head:
+            raise KeyError(f"unknown script {script!r}")
+        n, tail = pack_tail(keys, args)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((script, keys, args, fut))
+        self._pending.append((script, n, tail, fut))
         if len(self._pending) == 1 and not self._draining:
             loop.call_soon(self._start)
         return await fut
@@ -129,7 +141,7 @@ class ScriptBatcher:
     async def _execute(self, batch: list[_Call]) -> list[Any]:
         self.batches += 1
         self.calls += len(batch)
-        data = b"".join(pack_command(self._head[s], 2, keys, args) for s, keys, args, _ in batch)
+        data = b"".join(b"*%d\r\n%b%b" % (2 + n, self._head[s], tail) for s, n, tail, _ in batch)
         while True:
             conn, fresh = await self._connection()
             results: list[Any] = []

@@ -123,6 +123,10 @@ def _check_id(value: Any, param: str, limits: Limits) -> str:
         raise _fail(f"{param} is longer than {limits.max_session_id_len} characters", param)
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise _fail(f"{param} must not contain control characters", param)
+    try:  # a lone surrogate ("\\ud800" in JSON, undecodable header bytes) has no UTF-8 form
+        value.encode()
+    except UnicodeEncodeError:
+        raise _fail(f"{param} must be valid UTF-8 text", param) from None
     return value
 
 

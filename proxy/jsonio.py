@@ -28,13 +28,17 @@ def has_long_digit_run(raw: bytes) -> bool:
 
 
 def loads_exact(raw: bytes) -> tuple[Any, bool]:
-    """Parse JSON bytes: (value, read by orjson). Raises ValueError when invalid."""
+    """Parse JSON bytes: (value, read by orjson). Raises ValueError when invalid (nesting too
+    deep for the parser included)."""
     if not has_long_digit_run(raw):
         try:
             return orjson.loads(raw), True
         except orjson.JSONDecodeError:
             pass  # NaN / Infinity literals and the like: the standard library decides
-    return json.loads(raw), False
+    try:
+        return json.loads(raw), False
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def loads(raw: bytes) -> Any:
@@ -48,4 +52,8 @@ def dumps(obj: Any, *, fast: bool = True) -> bytes:
             return orjson.dumps(obj)
         except TypeError:  # orjson.JSONEncodeError: e.g. an integer wider than 64 bits
             pass
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate the client escaped: keep it escaped
+        return json.dumps(obj, separators=(",", ":")).encode()

@@ -11,12 +11,14 @@ import re
 import time
 from typing import Any
 
+import aiohttp
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
 from adapters.vllm import PRIORITY_HEADER
 from policy.admission import admission_priority, admission_slack_ms
 from policy.prefix_index import hash_chain
+from proxy import jsonio
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
@@ -164,7 +166,15 @@ async def _forward(
             sniffer.on_first_byte.append(functools.partial(gate.started, ticket))
         if prefill is not None:
             sniffer.on_first_byte.append(prefill.release)
-        resp = await _relay(request, upstream, sniffer, engine.name, request_id, outcome)
+        resp = await _relay(
+            request,
+            upstream,
+            sniffer,
+            engine.name,
+            request_id,
+            outcome,
+            rt.settings.upstream.stream_stall_timeout_s,
+        )
     except BaseException:  # client gone, cancelled or refused: drop the engine's connection now
         upstream.close()
         raise
@@ -211,8 +221,10 @@ async def _relay(
     engine: str,
     request_id: str,
     outcome: str | None,
+    stall_s: float = 60.0,
 ) -> web.StreamResponse:
-    """Send the engine's answer to the client unchanged (headers filtered, ours added)."""
+    """Send the engine's answer to the client unchanged (headers filtered, ours added). An
+    engine that fails mid-answer, or stalls ``stall_s`` between chunks, ends it cleanly."""
     headers = response_headers(upstream.headers)
     headers["X-Request-Id"] = request_id
     headers["X-KVKeeper-Engine"] = engine
@@ -234,16 +246,68 @@ async def _relay(
     if size is not None:
         stream.content_length = size
     await stream.prepare(request)
-    async for chunk in upstream.content.iter_any():
-        if sniffer.first_byte_at is None:
-            sniffer.mark_first_byte()
-        sniffer.feed(chunk)
-        await stream.write(chunk)
+    failure = await pump_stream(stream, upstream, sniffer, stall_s)
+    if failure is not None:
+        log.warning("engine %s failed mid-answer: %s", engine, failure)
+        await end_broken_stream(request, stream, sniffer.sse, failure)
+        return stream
     # A client that closes as soon as it has read everything (after "data: [DONE]") makes
     # the final empty chunk fail; the answer was delivered, so it still counts and is recorded.
     with contextlib.suppress(ConnectionResetError):
         await stream.write_eof()
     return stream
+
+
+async def pump_stream(
+    stream: web.StreamResponse, upstream: ClientResponse, sniffer: UsageSniffer, stall_s: float
+) -> Exception | None:
+    """Copy the engine's body to the client; the engine-side failure that cut it short (the
+    connection dropped, or no byte for ``stall_s`` after the first), else None. Failures
+    writing to the client propagate (the client went away)."""
+    content = upstream.content
+    while True:
+        try:
+            if sniffer.first_byte_at is None:  # a long prefill: the client's read timeout
+                chunk = await content.readany()
+            else:
+                async with asyncio.timeout(stall_s):
+                    chunk = await content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return exc
+        if not chunk:
+            return None
+        if sniffer.first_byte_at is None:
+            sniffer.mark_first_byte()
+        sniffer.feed(chunk)
+        await stream.write(chunk)
+
+
+async def end_broken_stream(
+    request: web.Request, stream: web.StreamResponse, sse: bool, failure: Exception
+) -> None:
+    """End an answer whose engine failed after its headers went out: an event stream gets an
+    error event in its dialect and a clean end; any other body is cut (the client sees a
+    truncated answer, never a second response written into the first). The connection closes."""
+    stream.force_close()
+    if not sse:
+        if request.transport is not None:
+            request.transport.abort()
+        return
+    message = f"the engine failed mid-answer ({type(failure).__name__})"
+    if request.path == "/v1/messages":
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        data = b"event: error\ndata: " + jsonio.dumps(event) + b"\n\n"
+    else:
+        error = {
+            "message": message,
+            "type": "upstream_error",
+            "param": None,
+            "code": "engine_failed",
+        }
+        data = b"data: " + jsonio.dumps({"error": error}) + b"\n\n"
+    with contextlib.suppress(ConnectionResetError):
+        await stream.write(data)
+        await stream.write_eof()
 
 
 def _after(

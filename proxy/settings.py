@@ -88,6 +88,8 @@ class UpstreamSettings(BaseModel):
 
     connect_timeout_s: float = Field(default=3.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0)  # between bytes; long prefills
+    # between chunks once an answer has started: an engine silent this long has failed
+    stream_stall_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float | None = None
     max_connections: int = Field(default=1024, gt=0)
     max_connections_per_engine: int = Field(default=512, gt=0)

@@ -37,6 +37,9 @@ class FakeEngine:
     delay_s: float = 0.0  # before the first byte
     chunk_delay_s: float = 0.0  # between stream chunks
     n_chunks: int = 3
+    # streams: after this many chunks the engine "dies" (drops the connection) or "stalls"
+    fail_after_chunks: int | None = None
+    fail_mode: str = "die"
     received: list[Received] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
@@ -167,6 +170,7 @@ class FakeEngine:
         await resp.prepare(request)
         path = request.path
         usage = self._usage(path, prompt, cached)
+        event: dict[str, Any]
         for i in range(self.n_chunks):
             if path == "/v1/messages":
                 event = {
@@ -196,6 +200,13 @@ class FakeEngine:
                     "engine": self.name,
                 }
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if self.fail_after_chunks is not None and i + 1 >= self.fail_after_chunks:
+                if self.fail_mode == "stall":
+                    await asyncio.sleep(3600)
+                await asyncio.sleep(0.1)  # the chunks written so far reach the proxy
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
         if path == "/v1/messages":

@@ -38,6 +38,7 @@ async def proxy_stack(
     extra_engine_urls: list[str] | None = None,
     tenants_file: Path | None = None,
     engine_factory: Callable[[int], FakeEngine] | None = None,
+    overrides: dict[str, Any] | None = None,
     **limits: Any,
 ) -> AsyncIterator[Stack]:
     async with AsyncExitStack() as stack:
@@ -56,6 +57,7 @@ async def proxy_stack(
             tenants_file=tenants_file,
             limits=limits or None,
             health_interval_s=60,
+            **(overrides or {}),
         )
         server = TestServer(create_app(settings), handler_cancellation=True)
         client: TestClient[Any, Any] = TestClient(server)

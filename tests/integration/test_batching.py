@@ -49,6 +49,13 @@ async def test_concurrent_calls_share_round_trips_and_keep_their_order(
         )
         assert echo == ["s\u00e9".encode(), b"\x00\xff", b"7", b"1.5", 2]
         assert isinstance(fail, redis_errors.ResponseError) and "bad thing" in str(fail)
+        # arguments that cannot be packed (a lone surrogate) fail their own call only
+        ok, bad = await asyncio.gather(
+            b.call("incr", [key], [1]),
+            b.call("echo", ["k"], ["evil\ud800", "", "", ""]),
+            return_exceptions=True,
+        )
+        assert ok == 201 and isinstance(bad, UnicodeEncodeError)
 
 
 async def test_scripts_reload_after_redis_forgets_them(

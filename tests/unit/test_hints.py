@@ -438,3 +438,28 @@ def test_long_digit_run(raw: bytes, long_run: bool) -> None:
         value, fast = jsonio.loads_exact(raw)
         assert fast is not long_run
         assert value == json.loads(raw)  # the same value either way, wide integers included
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers"),
+    [
+        (b'{"agent_hint":{"session_id":"evil\\ud800"}}', {}),
+        (b'{"prompt_cache_key":"evil\\udc00"}', {}),
+        (b'{"model":"m"}', {"X-Session-Id": "evil\udcff"}),  # undecodable header bytes
+        (b'{"model":"m"}', {"X-Session-Id": "s", "X-Agent-Name": "a\udcc3"}),
+        (b'{"model":"m"}', {"X-Session-Id": "s", "X-Parent-Session-Id": "p\ud800"}),
+    ],
+)
+def test_ids_that_are_not_utf8_text_are_rejected(raw: bytes, headers: dict[str, str]) -> None:
+    with pytest.raises(BadRequest, match="valid UTF-8") as err:
+        parse_request("/v1/chat/completions", headers, raw, LIMITS)
+    assert err.value.code == "invalid_hint"
+
+
+def test_deep_json_is_a_bad_request_and_a_surrogate_elsewhere_is_kept() -> None:
+    deep = b'{"agent_hint":{"session_id":"s"},"x":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        parse_request("/v1/chat/completions", {}, deep, LIMITS)
+    raw = b'{"content":"a\\ud800b","agent_hint":{"session_id":"s"}}'
+    parsed = parse_request("/v1/chat/completions", {}, raw, LIMITS)
+    assert parsed.body == b'{"content":"a\\ud800b"}'

@@ -1,0 +1,149 @@
+"""Regression tests for the faults of issue 29 (each failed before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello " * 20}]}
+TENANTS = "tenants:\n  team-a: {api_keys: [key-a]}\n  team-b: {api_keys: [key-b]}\n"
+A = {"Authorization": "Bearer key-a"}
+B = {"Authorization": "Bearer key-b"}
+
+
+async def raw_http(st: Stack, request: bytes, timeout_s: float = 5.0) -> bytes:
+    """Send raw bytes to the proxy (headers aiohttp's client would refuse to send); everything
+    it answers until it closes the connection (``timeout_s`` at most)."""
+    reader, writer = await asyncio.open_connection(st.client.host, st.client.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(-1), timeout_s)
+    finally:
+        writer.close()
+
+
+def _chat_bytes(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer key-a\r\nConnection: close\r\n"
+        + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+async def test_invalid_ids_are_400_and_never_fail_another_tenant(
+    redis_server: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    async with proxy_stack(redis_server.url, namespace, tenants_file=tenants) as st:
+        good_body = b'{"model":"fake-model","messages":[{"role":"user","content":"hi"}]'
+        bad = [
+            _chat_bytes(good_body + b',"agent_hint":{"session_id":"evil\\ud800"}}'),
+            _chat_bytes(good_body + b',"prompt_cache_key":"evil\\udfff"}'),
+            _chat_bytes(
+                good_body + b',"agent_hint":{"session_id":"ok","parent_session_id":"p\\ud800"}}'
+            ),
+            _chat_bytes(good_body + b"}", b"X-Session-Id: evil\xff\xfe\r\n"),
+            _chat_bytes(good_body + b"}", b"X-Session-Id: s1\r\nX-Agent-Name: a\xc3\x28\r\n"),
+        ]
+
+        async def good(i: int) -> int:
+            body = {**CHAT, "agent_hint": {"session_id": f"b-{i % 50}"}}
+            resp = await st.client.post("/v1/chat/completions", json=body, headers=B)
+            await resp.read()
+            return resp.status
+
+        async def evil(i: int) -> bytes:
+            return await raw_http(st, bad[i % len(bad)])
+
+        results = await asyncio.gather(
+            *(good(i) for i in range(200)), *(evil(i) for i in range(40))
+        )
+        statuses = results[:200]
+        assert statuses == [200] * 200  # none of tenant B's requests failed
+        for answer in results[200:]:
+            assert isinstance(answer, bytes)
+            assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+            assert b'"invalid_request_error"' in answer and b'"invalid_hint"' in answer
+        # nothing of tenant A reached Redis
+        listed = await (await st.client.get("/admin/sessions", headers=A)).json()
+        assert listed["data"] == []
+        # a surrogate elsewhere in the body is forwarded (escaped), not a 500
+        body = good_body[:-1] + b'"\\ud800x"}],"prompt_cache_key":"fine"}'
+        answer = await raw_http(st, _chat_bytes(body.replace(b'"hi"}]', b'"hi"},')))
+        assert answer.startswith(b"HTTP/1.1 "), answer
+        assert not answer.startswith(b"HTTP/1.1 500"), answer[:300]
+
+
+async def _post(st: Stack, path: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
+    resp = await st.client.post(path, data=data, headers=headers or {})
+    return resp.status, await resp.json()
+
+
+async def test_deeply_nested_json_is_400(redis_server: RedisServer, namespace: str) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        deep = b'{"agent_hint":{"session_id":"s"},"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        status, body = await _post(st, "/v1/chat/completions", deep)
+        assert status == 400 and body["error"]["code"] == "invalid_json"
+        # the admin API's JSON bodies too
+        await _post(st, "/v1/chat/completions", b'{"model":"m","prompt_cache_key":"s"}')
+        status, body = await _post(
+            st, "/admin/sessions/s/pin", b"[" * 100_000 + b"]" * 100_000, ADMIN_HEADERS
+        )
+        assert status == 400, body
+
+
+async def test_malformed_cursor_is_400(redis_server: RedisServer, namespace: str) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        await _post(st, "/v1/chat/completions", b'{"model":"m","prompt_cache_key":"s"}')
+        for cursor in ("x", "1", "-1:0", "0:-3", "0:1:2", "9" * 40 + ":0", "0:" + "9" * 40):
+            resp = await st.client.get(
+                "/admin/sessions", params={"cursor": cursor}, headers=ADMIN_HEADERS
+            )
+            assert resp.status == 400, (cursor, await resp.text())
+            assert (await resp.json())["error"]["param"] == "cursor"
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_engine_failing_mid_stream_ends_the_stream_cleanly(
+    redis_server: RedisServer, namespace: str, mode: str, path: str
+) -> None:
+    async with proxy_stack(
+        redis_server.url,
+        namespace,
+        engine_factory=lambda i: FakeEngine(
+            name=f"e{i}", n_chunks=5, fail_after_chunks=2, fail_mode=mode
+        ),
+        overrides={"upstream": {"stream_stall_timeout_s": 0.5}},
+    ) as st:
+        body = b'{"model":"fake-model","stream":true,"messages":[{"role":"user","content":"hi"}],"prompt_cache_key":"s1"}'
+        request = (
+            b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (path.encode(), len(body), body)
+        )
+        started = asyncio.get_running_loop().time()
+        # the client keeps its connection open (keep-alive): the proxy must close it
+        answer = await raw_http(st, request, timeout_s=5.0)
+        elapsed = asyncio.get_running_loop().time() - started
+        assert elapsed < 3.0
+        assert answer.count(b"HTTP/1.1 ") == 1, answer  # never a second response in the body
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert b"Transfer-Encoding: chunked" in answer
+        assert answer.endswith(b"0\r\n\r\n")  # the chunked body ends cleanly
+        assert b"tok0" in answer and b"tok2" not in answer
+        if path == "/v1/messages":
+            assert b"event: error\r\n" not in answer and b"event: error" in answer
+            assert b'"type":"api_error"' in answer
+        else:
+            assert b'"code":"engine_failed"' in answer

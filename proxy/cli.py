@@ -10,11 +10,12 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 # Modules that add subcommands, in the order ``--help`` lists them.
 _SUBCOMMAND_MODULES = (
     "proxy.serve_cli",  # serve
-    "proxy.sessions_cli",  # sessions list|show|free
+    "proxy.sessions_cli",  # sessions list|show|free|offload|prefetch|evict|pin, engines
     "proxy.engine_cli",  # engine up|down|status (local vLLM on CPU)
     "loadgen.sim_cli",  # sim
     "loadgen.bench_cli",  # bench ...
@@ -22,10 +23,27 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+def version() -> str:
+    """The installed package's version; ``0+unknown`` from a bare source tree."""
+    try:
+        return metadata.version("kvkeeper")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvkeeper",
         description="KV-cache control proxy for agent swarms in front of unmodified engines.",
+        epilog="`kvkeeper COMMAND --help` shows a command's options and their defaults.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvkeeper {version()}")
+    # admin commands (sessions, engines) also take --json after the command or its action
+    parser.add_argument(
+        "--json",
+        dest="json_output",
+        action="store_true",
+        help="admin commands print the API's JSON instead of tables",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMAND_MODULES:

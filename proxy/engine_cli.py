@@ -296,7 +296,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     up.add_argument("--hash-seed", default="0", help="PYTHONHASHSEED of the engine")
     up.add_argument("--timeout", type=float, default=360.0, help="start-up limit in seconds")
     up.set_defaults(func=_up)
-    for name, func, text in (("down", _down, "stop by PID"), ("status", _status, "is it up")):
+    for name, func, text in (
+        ("down", _down, "stop by PID"),
+        ("status", _status, "is it up (any engine kvkeeper routes to: `kvkeeper engines`)"),
+    ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--port", type=int, default=8100)
+        p.add_argument("--port", type=int, default=8100, help="its port (default: %(default)s)")
         p.set_defaults(func=func)

@@ -5,7 +5,7 @@
 #   ${KVKEEPER_HOME:-$HOME/.cache/kvkeeper}/engine/model   SmolLM2-135M-Instruct, bf16 HF folder
 #
 # Idempotent: a second run checks both and returns at once. Safe to run concurrently (flock).
-# Recipe verified in shared/reference/engines.md section 1. Prints the venv python and model dir.
+# Prints the venv python and model dir.
 set -euo pipefail
 
 ENGINE_DIR="${KVKEEPER_HOME:-$HOME/.cache/kvkeeper}/engine"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install LMCache 0.5.6 for the local CPU stack (see shared/reference/cpu-lmcache.md).
+# Install LMCache 0.5.6 for the local CPU stack (its coordinator + MP server, and the vLLM connector).
 #
 #   deploy/local/lmcache-install.sh [venv|connector|all]   (default: all)
 #

@@ -11,8 +11,8 @@
 #   LMCACHE_L2_DIR [$LMCACHE_RUN_DIR/l2]   LMCACHE_HOST [127.0.0.1]   LMCACHE_L1_GB [1]
 #   LMCACHE_COORD_PORT [9300]  LMCACHE_MP_PORT [9200]  LMCACHE_HTTP_PORT [9280]
 #   LMCACHE_PROM_PORT [9290]   LMCACHE_READY_TIMEOUT_S [120]
-# Flags that matter on CPU (shared/reference/cpu-lmcache.md): `--supported-transfer-mode auto`
-# (else vLLM hangs at start-up) and `--eviction-policy` (required with `--shm-name`).
+# Flags that matter on CPU: `--supported-transfer-mode auto` (else vLLM hangs at start-up) and
+# `--eviction-policy` (required with `--shm-name`).
 set -euo pipefail
 
 KVKEEPER_HOME="${KVKEEPER_HOME:-$HOME/.cache/kvkeeper}"

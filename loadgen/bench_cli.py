@@ -141,8 +141,8 @@ def _register_report(sub: Subparsers) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from loadgen.records import RunResult
     from loadgen.report import render_report
-    from loadgen.runner import RunResult
 
     results = [RunResult.load(path) for path in args.results]
     path = render_report(results, args.out)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from loadgen import ceiling, tokens
-from loadgen.runner import RequestRecord, RunOptions, RunResult
+from loadgen.records import RequestRecord, RunResult
+from loadgen.runner import RunOptions
 from loadgen.sim.belady import oracle_document
 from loadgen.sim.kv_manager import BlockHashCache
 from loadgen.sim.kv_manager import Sequence as SimSequence

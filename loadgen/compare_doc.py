@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.compare_ceilings import gap_closed, realized_replay, replay_rates
-from loadgen.runner import RunResult
+from loadgen.records import RunResult
 from loadgen.workloads.base import Workload
 
 BELADY = "engine-belady"  # every target's mean TTFT is also given against this one's

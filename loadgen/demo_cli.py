@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.metrics import summarize
+from loadgen.records import RunResult
 from loadgen.report import render_report
-from loadgen.runner import RunOptions, RunResult, Target, run_workload
+from loadgen.runner import RunOptions, Target, run_workload
 from loadgen.sim import SimConfig, run_simulator_process
 from loadgen.stack import start_kvkeeper
 from loadgen.workloads import build_workload

@@ -13,10 +13,9 @@ import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from loadgen.runner import RequestRecord, RunResult
+from loadgen.records import RequestRecord, RunResult
 
 KVKEEPER_COUNTERS = (
     "kvkeeper_touch_prompt_tokens_total",

@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt
 
 from loadgen.metrics import hit_rate_over_time, ok_requests
-from loadgen.runner import RunResult
+from loadgen.records import RunResult
 
 
 def ttft_cdf(results: Sequence[RunResult], path: Path) -> Path:

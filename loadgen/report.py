@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.metrics import summarize
-from loadgen.runner import RunResult
+from loadgen.records import RunResult
 
 # (column title, summary key path, format)
 _COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (

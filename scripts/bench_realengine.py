@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.bench_compare import CompareSpec, run_compare  # noqa: E402
-from loadgen.runner import RunOptions, RunResult  # noqa: E402
+from loadgen.records import RunResult  # noqa: E402
+from loadgen.runner import RunOptions  # noqa: E402
 from loadgen.sim.server import SimConfig  # noqa: E402
 from loadgen.workloads import build_workload, parse_overrides  # noqa: E402
 from loadgen.workloads.hints import HintPolicy  # noqa: E402

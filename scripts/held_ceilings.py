@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen.compare_ceilings import realized_replay, replay_rates
-from loadgen.runner import RunResult
+from loadgen.records import RunResult
 from loadgen.workloads import build_workload
 
 

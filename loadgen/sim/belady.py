@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from loadgen.sim.block_pool import Block, FreeBlockQueue
+from loadgen.sim.free_queue import Block, FreeBlockQueue
 
 EvictRule = Literal["belady", "dead-first"]
 EVICT_RULES: tuple[EvictRule, ...] = ("belady", "dead-first")

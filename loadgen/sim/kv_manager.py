@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.block_hash import event_id, sha256_cbor
-from loadgen.sim.block_pool import Block, BlockPool
+from loadgen.sim.block_pool import BlockPool
+from loadgen.sim.free_queue import Block
 
 
 @dataclass(eq=False, slots=True)

@@ -26,14 +26,15 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from loadgen.sim import routes_misc, routes_openai
+import loadgen.sim.routes_misc as routes_misc
+import loadgen.sim.routes_openai as routes_openai
 from loadgen.sim.api import ENGINE, MODEL, REPLY, TOKENIZER, error_middleware
 from loadgen.sim.belady import EvictRule
 from loadgen.sim.engine import EngineConfig, SchedulingPolicy, SimEngine
 from loadgen.sim.events import EventPublisher
+from loadgen.sim.exposition import EngineCollector
 from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
 from loadgen.sim.profiles import get_profile
-from loadgen.sim.stats import EngineCollector
 from loadgen.sim.tokenizer import SimTokenizer
 
 REPLY_TEXT = (

@@ -15,7 +15,8 @@ from loadgen.bench_compare import CompareSpec, run_compare
 from loadgen.bench_targets import plan_targets
 from loadgen.compare_ceilings import largest_request_blocks, realized_replay, replay_rates
 from loadgen.compare_doc import aggregate_rounds
-from loadgen.runner import RunOptions, RunResult
+from loadgen.records import RunResult
+from loadgen.runner import RunOptions
 from loadgen.sim.server import SimConfig
 from loadgen.stack import find_router
 from loadgen.workloads import build_workload

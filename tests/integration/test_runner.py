@@ -20,7 +20,8 @@ from aiohttp import web
 
 from loadgen import tokens
 from loadgen.metrics import summarize
-from loadgen.runner import RunOptions, RunResult, Target, run_workload
+from loadgen.records import RunResult
+from loadgen.runner import RunOptions, Target, run_workload
 from loadgen.workloads import build_workload
 from loadgen.workloads.hints import HintPolicy
 

@@ -13,8 +13,8 @@ from loadgen.metrics import (
     percentile,
     summarize,
 )
+from loadgen.records import ManageRecord, RequestRecord, RunResult, SessionRecord
 from loadgen.report import render_report
-from loadgen.runner import ManageRecord, RequestRecord, RunResult, SessionRecord
 
 
 def _req(

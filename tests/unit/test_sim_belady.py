@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from loadgen.sim.belady import BeladyFreeQueue, BeladyOracle, oracle_document
-from loadgen.sim.block_pool import Block, BlockPool
+from loadgen.sim.block_pool import BlockPool
 from loadgen.sim.engine import EngineConfig, Finished, SimEngine, SimRequest
+from loadgen.sim.free_queue import Block
 from loadgen.sim.kv_manager import BlockHashCache, KVCacheManager, Sequence
 from loadgen.sim.profiles import INSTANT
 from loadgen.sim.server import SimConfig, config_argv

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy import jsonio
 from proxy.auth import Principal
+from proxy.console_models import Freed, OperationOutcome
 from proxy.errors import BadRequest, NotFound, StoreUnavailable
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import STATES, Session, SessionStore, StoreDown
@@ -165,7 +166,8 @@ async def session_operation(
     if result.reason == "unknown_session":
         raise NotFound(f"no session {request.match_info['session_id']!r}", code="unknown_session")
     rt.metrics.edits.labels(op, result.status).inc()
-    return web.json_response({"object": "kvkeeper.operation", "operation": op, **result.to_json()})
+    body = OperationOutcome(operation=op, **result.to_json())
+    return web.json_response(text=body.model_dump_json(exclude_none=True))
 
 
 async def _json_params(request: web.Request) -> dict[str, Any]:
@@ -197,7 +199,7 @@ async def free_session(
     if rt.retention is not None:
         for gone in freed:
             rt.retention.forget(tenant, gone)
-    return web.json_response({"object": "kvkeeper.freed", "freed": freed})
+    return web.json_response(text=Freed(freed=freed).model_dump_json())
 
 
 async def list_engines(request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ from policy.admission import admission_priority
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
 from proxy.completions import CompletionWriter
+from proxy.console import add_console_routes
 from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
@@ -141,4 +142,5 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
     app.cleanup_ctx.append(resources)
     add_routes(app)
     add_admin_routes(app)
+    add_console_routes(app)
     return app

@@ -67,6 +67,26 @@ class Metrics:
         self.engine_requests = Counter(
             "kvkeeper_engine_requests", "Requests forwarded, by engine", ["engine"], registry=r
         )
+        # per engine, for the console's time series (proxy/console.py)
+        self.engine_ttft = Histogram(
+            "kvkeeper_engine_ttft_seconds",
+            "Time to first byte of the engine's response, by engine",
+            ["engine"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_prompt_tokens = Counter(
+            "kvkeeper_engine_prompt_tokens",
+            "Prompt tokens reported, by engine",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_cached_tokens = Counter(
+            "kvkeeper_engine_cached_tokens",
+            "Prompt tokens served from the prefix cache, by engine",
+            ["engine"],
+            registry=r,
+        )
         self.placements = Counter(
             "kvkeeper_placements",
             "Requests placed by their prompt, by engine and reason (prefix: the longest cached "

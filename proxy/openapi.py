@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
+from proxy.console_models import ConsoleEngines, ForestPage, Freed, OperationOutcome
 from proxy.hints import AgentHintParams
+
+# models the admin and console handlers return: their schemas go to components/schemas
+_MODELS: tuple[type[BaseModel], ...] = (ForestPage, ConsoleEngines, Freed, OperationOutcome)
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _SID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -61,6 +67,83 @@ def _proxied(summary: str) -> dict[str, Any]:
                 "502": _resp("No engine could take the request", _ERROR),
             },
         }
+    }
+
+
+def _ref(model: type[BaseModel]) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _model_schemas() -> dict[str, Any]:
+    """The handlers' pydantic models as component schemas (their nested models hoisted)."""
+    out: dict[str, Any] = {}
+    for model in _MODELS:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
+def _ui_paths() -> dict[str, Any]:
+    """The operator console: its pages, and the admin JSON only it reads."""
+    page = {"get": {"summary": "The operator console (HTML, no auth: it asks for a token)"}}
+    html = {"200": {"description": "A page", "content": {"text/html": {"schema": {}}}}}
+    get: dict[str, Any] = {"security": [{"bearer": []}]}
+    return {
+        "/ui": {"get": {**page["get"], "responses": {"302": _resp("Redirect to /ui/")}}},
+        "/ui/": {"get": {**page["get"], "responses": html}},
+        "/ui/{name}": {
+            "get": {
+                "summary": "A file of the console (index.html, console.js, console.css)",
+                "parameters": [
+                    {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {"200": _resp("The file"), "404": _resp("No such file")},
+            }
+        },
+        "/admin/console/forest": {
+            "get": {
+                **get,
+                "summary": "One page of whole session trees, searchable by id, agent or parent",
+                "parameters": [
+                    _TENANT,
+                    *(
+                        {"name": n, "in": "query", "required": False, "schema": sch}
+                        for n, sch in (
+                            ("q", {"type": "string"}),
+                            (
+                                "state",
+                                {
+                                    "enum": [
+                                        "active",
+                                        "protected",
+                                        "idle",
+                                        "offloaded",
+                                        "expired",
+                                    ]
+                                },
+                            ),
+                            ("offset", {"type": "integer", "minimum": 0}),
+                            ("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+                        )
+                    ),
+                ],
+                "responses": {
+                    "200": _resp("Trees whose sessions match", _ref(ForestPage)),
+                    **_errors(400, 401, 503),
+                },
+            }
+        },
+        "/admin/console/engines": {
+            "get": {
+                **get,
+                "summary": "Per engine: health, load, horizon, credit, touches, tier pins, series",
+                "responses": {
+                    "200": _resp("Engines with their recent series", _ref(ConsoleEngines)),
+                    **_errors(401),
+                },
+            }
+        },
     }
 
 
@@ -137,13 +220,7 @@ def document() -> dict[str, Any]:
                     },
                 ],
                 "responses": {
-                    "200": _resp(
-                        "Freed ids in the order they were freed",
-                        {
-                            "type": "object",
-                            "properties": {"freed": {"type": "array", "items": {"type": "string"}}},
-                        },
-                    ),
+                    "200": _resp("Freed ids in the order they were freed", _ref(Freed)),
                     **_errors(401, 404, 503),
                 },
             },
@@ -179,7 +256,10 @@ def document() -> dict[str, Any]:
                     },
                 },
                 "responses": {
-                    "200": _resp("applied / unsupported / rejected / failed, with detail"),
+                    "200": _resp(
+                        "applied / unsupported / rejected / failed, with detail",
+                        _ref(OperationOutcome),
+                    ),
                     **_errors(400, 401, 404, 503),
                 },
             }
@@ -191,6 +271,7 @@ def document() -> dict[str, Any]:
                 "responses": {"200": _resp("Engines"), **_errors(401)},
             }
         },
+        **_ui_paths(),
     }
     return {
         "openapi": "3.1.0",
@@ -199,6 +280,7 @@ def document() -> dict[str, Any]:
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
+                **_model_schemas(),
                 "AgentHint": AgentHintParams.model_json_schema(
                     ref_template="#/components/schemas/AgentHint/$defs/{model}"
                 ),

@@ -187,12 +187,17 @@ async def _forward(
             prefill.release()
     if sniffer.first_byte_at is not None:
         rt.metrics.child(rt.metrics.ttft, route).observe(sniffer.first_byte_at - sent_at)
+        rt.metrics.child(rt.metrics.engine_ttft, engine.name).observe(
+            sniffer.first_byte_at - sent_at
+        )
     rt.metrics.child(rt.metrics.upstream_latency, route).observe(time.perf_counter() - sent_at)
     usage = sniffer.finish()
     if usage is not None:
         rt.learn_size(len(body), usage.prompt_tokens)
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
+        rt.metrics.child(rt.metrics.engine_prompt_tokens, engine.name).inc(usage.prompt_tokens)
+        rt.metrics.child(rt.metrics.engine_cached_tokens, engine.name).inc(usage.cached_tokens)
         if rt.retention is not None:
             rt.retention.served(engine.name, usage.prompt_tokens)
     return resp, engine, usage, reg

@@ -15,6 +15,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
     as_root apt-get update -q
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
 fi
+if ! command -v chromium >/dev/null 2>&1; then  # the console's browser tests (Playwright drives it)
+    echo "== installing chromium (apt)"
+    as_root apt-get update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+fi
 
 echo "== installing kvkeeper[dev]"
 python3 -m pip install -q --disable-pip-version-check -e ".[dev]"

@@ -145,7 +145,9 @@ async def test_a_tenant_key_sees_and_acts_on_its_own_tenant_only(
         await asyncio.sleep(2.5)  # a poll later, still only tenant b
         seen = await page.eval_on_selector_all("tr.node", "els => els.map(e => e.dataset.sid)")
         assert sorted(seen) == ["b-w1", "lead-b"]
-        assert set(await page.eval_on_selector_all("tr.node", "els => els.map(e => e.dataset.tenant)")) == {"b"}
+        assert set(
+            await page.eval_on_selector_all("tr.node", "els => els.map(e => e.dataset.tenant)")
+        ) == {"b"}
         await page.screenshot(path=str(tmp_path / "console-tenant-b.png"))
 
         # asking for tenant a with b's key: refused, nothing shown

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from adapters.base import CacheConfig
 from adapters.lmcache import LMCacheAdapter, LMCacheConfig
 from adapters.vllm import EventEndpoints, VLLMAdapter
 from policy.admission import admission_priority
+from proxy.access import access_log
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
 from proxy.completions import CompletionWriter
@@ -31,6 +31,7 @@ from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Settings
 from proxy.store import SessionStore
 from proxy.upstream import EnginePool, make_client
+from proxy.watch import StoreWatch, redacted, watch
 
 log = logging.getLogger("kvkeeper.app")
 
@@ -89,7 +90,7 @@ def build_retention(
 def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
     """Build the app; resources (client, Redis, workers) start with it and stop with it."""
     app = web.Application(
-        middlewares=[count_requests, error_middleware],
+        middlewares=[access_log, count_requests, error_middleware],
         client_max_size=settings.limits.max_body_bytes,
     )
     metrics = Metrics()
@@ -104,9 +105,16 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             url = await embedded.start()
             log.info("embedded redis at %s", url)
         redis = open_redis(url)
+        store_watch = StoreWatch(metrics, "embedded" if embedded else redacted(url))
+
+        def store_failed() -> None:
+            metrics.redis_errors.inc()
+            store_watch.failed()
+
         store = SessionStore(
-            redis, settings.limits, namespace=settings.namespace, on_error=metrics.redis_errors.inc
+            redis, settings.limits, namespace=settings.namespace, on_error=store_failed
         )
+        store_watch.store = store
         pool = EnginePool(settings.engines, client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
         rt.completions = CompletionWriter(store, on_drop=metrics.completions_dropped.inc)
@@ -118,6 +126,10 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             rt.edits = edits
         app[RUNTIME] = rt
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
+        stopping = asyncio.Event()
+        watching = asyncio.create_task(
+            watch(pool, store_watch, settings.health_interval_s, stopping)
+        )
         if settings.retention.enabled:
             rt.retention = build_retention(settings, store, pool, metrics)
             await rt.retention.start()
@@ -126,9 +138,10 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         try:
             yield
         finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
+            stopping.set()
+            for task in (health, watching):
+                task.cancel()
+            await asyncio.wait([health, watching], timeout=5)
             if rt.retention is not None:
                 await rt.retention.stop()
             await rt.drain()

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import platform
+from importlib import metadata
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+def kvkeeper_version() -> str:
+    """The installed package's version (``0+unknown`` when run from a bare source tree)."""
+    try:
+        return metadata.version("kvkeeper")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -20,6 +41,25 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # process_* (CPU, memory, open fds, start time), python_info and python_gc_*, as the
+        # default registry of prometheus_client would export them
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        r.register(GC_COLLECTOR)
+        self.build_info = Info("kvkeeper_build", "kvkeeper's version and Python", registry=r)
+        self.build_info.info({"version": kvkeeper_version(), "python": platform.python_version()})
+        self.redis_up = Gauge(
+            "kvkeeper_redis_up",
+            "Session store reachable (1) or not (0), from the last ping or store call",
+            registry=r,
+        )
+        self.hash_check = Gauge(
+            "kvkeeper_hash_check",
+            "Block-hash self-check per engine: 1 kvkeeper's hashes match the engine's KV "
+            "events, 0 mismatch (residency tracking off, feedback mode), -1 not checked yet",
+            ["engine"],
+            registry=r,
+        )
         self.requests = Counter(
             "kvkeeper_requests",
             "Proxied requests by route and status",
@@ -40,14 +80,14 @@ class Metrics:
         self.upstream_latency = Histogram(
             "kvkeeper_upstream_latency_seconds",
             "Time from forwarding to the engine's full response",
-            ["route"],
+            ["route", "engine"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "kvkeeper_ttft_seconds",
             "Time to first byte of the engine's response, seen at the proxy",
-            ["route"],
+            ["route", "engine"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

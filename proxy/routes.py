@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import re
 import time
 from typing import Any
@@ -19,6 +18,7 @@ from adapters.vllm import PRIORITY_HEADER
 from policy.admission import admission_priority, admission_slack_ms
 from policy.prefix_index import hash_chain
 from proxy import jsonio
+from proxy.access import access_info
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
@@ -40,6 +40,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     """Parse hints, register the session, forward to an engine, stream the answer back."""
     rt = request.app[RUNTIME]
     tenant = rt.tenants.tenant_for(request.headers)
+    access_info(request).tenant = tenant
     raw = await request.read()
     parsed = parse_request(request.path, request.headers, raw, rt.settings.limits)
     hint = parsed.hint
@@ -48,6 +49,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         for dialect in hint.dialects:
             rt.metrics.child(rt.metrics.hints, dialect).inc()
         if hint.manage_request:
+            access_info(request).hint = "manage_request"
             return await _manage(rt, tenant, hint)
         # the Redis round trip runs while the request travels to the engine
         registering = asyncio.create_task(rt.register(tenant, hint))
@@ -101,7 +103,8 @@ async def _forward(
     engine's admission priority from the tokens it would compute (policy/admission.py).
     """
     route = request.path
-    request_id = request.headers.get("X-Request-Id") or os.urandom(16).hex()
+    info = access_info(request)
+    request_id = info.request_id
     headers = upstream_headers(
         request.headers,
         request_id,
@@ -138,6 +141,7 @@ async def _forward(
         sent_at = time.perf_counter()
         engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
         rt.metrics.child(rt.metrics.engine_requests, engine.name).inc()
+        info.engine = engine.name
         if prefill is not None and engine is not order[0]:  # failed over
             prefill.release()
             prefill = _Prefill(rt, engine.name, len(body), chain)
@@ -154,6 +158,7 @@ async def _forward(
         outcome = None
         if reg is not None:
             outcome = reg.outcome + ("; edits=deferred" if edits else "")
+            info.hint = outcome
         if upstream.status >= 400 and "json" not in upstream.content_type:
             detail = (await upstream.read())[:200].decode(errors="replace")
             raise UpstreamError(
@@ -186,13 +191,15 @@ async def _forward(
         if prefill is not None:
             prefill.release()
     if sniffer.first_byte_at is not None:
-        rt.metrics.child(rt.metrics.ttft, route).observe(sniffer.first_byte_at - sent_at)
-        rt.metrics.child(rt.metrics.engine_ttft, engine.name).observe(
-            sniffer.first_byte_at - sent_at
-        )
-    rt.metrics.child(rt.metrics.upstream_latency, route).observe(time.perf_counter() - sent_at)
+        info.ttft_s = sniffer.first_byte_at - sent_at
+        rt.metrics.child(rt.metrics.ttft, route, engine.name).observe(info.ttft_s)
+        rt.metrics.child(rt.metrics.engine_ttft, engine.name).observe(info.ttft_s)
+    rt.metrics.child(rt.metrics.upstream_latency, route, engine.name).observe(
+        time.perf_counter() - sent_at
+    )
     usage = sniffer.finish()
     if usage is not None:
+        info.prompt_tokens, info.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         rt.learn_size(len(body), usage.prompt_tokens)
         rt.metrics.prompt_tokens.inc(usage.prompt_tokens)
         rt.metrics.cached_tokens.inc(usage.cached_tokens)
@@ -392,6 +399,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 when at least one engine passed its last health check, else 503. Redis is
+    reported but does not gate readiness: without it requests still flow, hints answer
+    ``rejected; reason=store_unavailable`` (``kvkeeper_redis_up`` 0)."""
     rt = request.app[RUNTIME]
     engines = {e.name: e.healthy for e in rt.pool.engines}
     redis_ok = rt.store is not None and await rt.store.ping()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import logging
 import sys
@@ -12,7 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.logs import configure_logging
 from proxy.settings import ConfigError, Settings, load_settings
+
+log = logging.getLogger("kvkeeper.serve")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,7 +45,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--redis", metavar="URL", help="redis://host:port/db (default: embedded private Redis)"
     )
     p.add_argument("--tenants-file", type=Path, help="YAML file mapping API keys to tenants")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING ...")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING ... (default INFO)")
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="log lines as text or one JSON object each (default text)",
+    )
     p.set_defaults(func=run)
 
 
@@ -52,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "redis_url": args.redis,
         "tenants_file": args.tenants_file,
         "log_level": args.log_level,
+        "log_format": args.log_format,
     }
     if args.engine:
         events = args.engine_events or []
@@ -82,24 +92,42 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvkeeper serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     app.on_startup.append(_freeze_startup_objects)
     engines = ", ".join(e.url for e in settings.engines)
-    print(f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}", flush=True)
+    where = f"http://{settings.host}:{settings.port}"
     try:  # uvloop: a faster event loop where available (Linux, macOS)
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        handler_cancellation=True,  # a client that goes away cancels its upstream request
-        access_log=None,
-        print=None,
-    )
+    try:
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            handler_cancellation=True,  # a client that goes away cancels its upstream request
+            access_log=None,  # proxy/access.py logs every request instead
+            # printed once the socket is bound (after start-up)
+            print=lambda _: print(f"kvkeeper listening on {where} -> {engines}", flush=True),
+        )
+    except OSError as exc:  # the port is taken, the address is not ours ...
+        log.debug("start-up failed", exc_info=True)
+        print(f"kvkeeper serve: error: cannot listen on {where}: {_reason(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # Redis, an engine spec ...: one line, the traceback at DEBUG
+        log.debug("start-up failed", exc_info=True)
+        print(f"kvkeeper serve: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "address already in use (another process listens on that port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "address not available on this machine"
+    if exc.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges)"
+    return exc.strerror or str(exc)

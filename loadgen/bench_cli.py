@@ -11,12 +11,14 @@ import asyncio
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadgen.workloads import WORKLOADS, build_workload, load_spec, parse_overrides
 from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HINT_MODES, HintPolicy
+from loadgen.workloads.trace import TRACE_DIR_ENV
 
 _EXTRA_MODULES = ("loadgen.bench_compare",)
 if TYPE_CHECKING:
@@ -38,6 +40,25 @@ def register(subparsers: Subparsers) -> None:
                 continue
             raise
         module.register(sub)
+    for name, parser in sub.choices.items():
+        parser.set_defaults(
+            func=_one_line_errors(f"kvkeeper bench {name}", parser.get_default("func"))
+        )
+
+
+def _one_line_errors(
+    prog: str, func: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """A bad workload, trace set or target is one line on stderr and exit 2, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ValueError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -63,6 +84,12 @@ def _add_workload_args(p: argparse.ArgumentParser, default: str | None) -> None:
     )
     p.add_argument("--seed", type=int, help="shortcut for --set seed=N")
     p.add_argument("--token-scale", type=float, help="shortcut for --set token_scale=X")
+    p.add_argument(
+        "--trace-dir",
+        metavar="DIR",
+        help="trace workload: a directory of trace files, or one file (shortcut for --set "
+        f"path=DIR; default: ${TRACE_DIR_ENV}, else the Claude Code traces shipped with kvkeeper)",
+    )
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -77,6 +104,10 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         params["seed"] = args.seed
     if args.token_scale is not None:
         params["token_scale"] = args.token_scale
+    if args.trace_dir is not None:
+        if name != "trace":
+            raise ValueError("--trace-dir is for --workload trace")
+        params["path"] = args.trace_dir
     return build_workload(name, params)
 
 

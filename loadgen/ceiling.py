@@ -16,7 +16,7 @@ Hits are prefix hits (leading resident blocks); the rate is hit tokens / prompt 
 calls, sub-agents included. Running requests' blocks that do not fit in ``C`` are computed but
 not cached ("no room": lost to every policy).
 
-Arrival models: ``lanes`` (as ``/work/shared/tools/trace_ceiling.py``: root sessions in a
+Arrival models: ``lanes`` (root sessions in a
 seeded shuffled order laid end to end on one tape, cut into ``N`` lanes played at once; a
 conversation cut by a lane boundary continues in the next lane under fresh private
 namespaces), ``slots`` (at most ``N`` root sessions open; the next starts when one ends, like

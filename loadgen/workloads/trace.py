@@ -1,6 +1,6 @@
 """``trace``: replay of real agent traces (Claude Code, kv-cache-tester format) and Mooncake JSONL.
 
-Claude Code (``/work/shared/traces/claude-code/SOURCE.md``): each file is one root session whose
+Claude Code (``loadgen/traces/claude-code/SOURCE.md``): each file is one root session whose
 calls keep their order, prompt sizes, output sizes and think times; sub-agent entries become
 child sessions (consecutive entries launched together after the parent call before them, at the
 recorded launch delay; the parent waits for ``completed`` ones, not for ``async_launched``).
@@ -13,18 +13,25 @@ Mooncake (``.jsonl``): one request per line, ``timestamp`` (ms), ``input_length`
 ``output_length``, ``hash_ids`` of 512-token blocks shared across the whole file; every line is a
 one-call root session at its timestamp.
 
+The default directory is the 48 Claude Code traces shipped in the package
+(``loadgen/traces/claude-code``, xz-compressed); ``KVKEEPER_TRACE_DIR`` or ``path`` (the CLI's
+``--trace-dir``) names another set. Files may be plain or ``.xz`` / ``.gz`` compressed.
+
 ``token_scale`` shrinks every block (and output) so a trace fits a small engine; time scaling is
 the runner's (``RunOptions.time_scale``).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
+import os
 import statistics
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from loadgen.workloads.base import (
     Call,
@@ -40,12 +47,20 @@ from loadgen.workloads.base import (
 CC_BLOCK = 64
 MOONCAKE_BLOCK = 512
 DEFAULT_API_TIME = 6.0
-DEFAULT_TRACE_DIR = "/work/shared/traces/claude-code"
+SHIPPED_TRACES = Path(__file__).resolve().parent.parent / "traces" / "claude-code"
+TRACE_DIR_ENV = "KVKEEPER_TRACE_DIR"  # another default directory (e.g. a full trace set)
+_FORMATS = (".json", ".jsonl")
+_COMPRESSED = {".xz": lzma.open, ".gz": gzip.open}
+
+
+def default_trace_dir() -> str:
+    """``$KVKEEPER_TRACE_DIR``, else the traces shipped with the package."""
+    return os.environ.get(TRACE_DIR_ENV) or str(SHIPPED_TRACES)
 
 
 @dataclass(frozen=True, slots=True)
 class TraceParams:
-    path: str = DEFAULT_TRACE_DIR  # a directory of *.json / *.jsonl, or one file
+    path: str = ""  # a directory of trace files, or one file ("": default_trace_dir())
     limit: int = 0  # use at most this many trace files (0: all), in name order
     files: str = ""  # comma-separated file names to pick from ``path`` (empty: all)
     token_scale: float = 1.0
@@ -54,22 +69,51 @@ class TraceParams:
     max_requests: int = 0  # keep at most this many top-level calls per trace (0: all)
 
 
+def _name(path: Path) -> tuple[str, str]:
+    """``trace_0291.json.xz`` -> ``("trace_0291", ".json")``; ("", "") for other files."""
+    name = path.name
+    for ext in _COMPRESSED:
+        name = name.removesuffix(ext)
+    stem, dot, fmt = name.rpartition(".")
+    return (stem, dot + fmt) if dot and dot + fmt in _FORMATS else ("", "")
+
+
+def _names(path: Path) -> set[str]:
+    stem, fmt = _name(path)
+    return {path.name, stem, stem + fmt}
+
+
+def _open(path: Path) -> IO[str]:
+    opener = _COMPRESSED.get(path.suffix)
+    return opener(path, "rt") if opener else path.open()  # type: ignore[operator]
+
+
 def trace_files(p: TraceParams) -> list[Path]:
-    root = Path(p.path)
+    root = Path(p.path or default_trace_dir())
     if root.is_file():
         return [root]
-    files = sorted(f for f in root.iterdir() if f.suffix in (".json", ".jsonl"))
-    if p.files:
+    if not root.is_dir():
+        raise ValueError(f"trace: no such trace file or directory: {root}")
+    by_stem: dict[str, Path] = {}
+    for f in sorted(root.iterdir(), key=lambda f: (f.name.count("."), f.name)):
+        stem = _name(f)[0]
+        if stem:
+            by_stem.setdefault(stem, f)  # a plain file wins over its compressed copy
+    files = [by_stem[stem] for stem in sorted(by_stem)]
+    if p.files:  # by stem, or by name with or without the compression suffix
         wanted = {name.strip() for name in p.files.split(",") if name.strip()}
-        files = [f for f in files if f.name in wanted or f.stem in wanted]
+        files = [f for f in files if wanted & _names(f)]
+        if missing := wanted.difference(*(_names(f) for f in files)):
+            raise ValueError(f"trace: no {', '.join(sorted(missing))} under {root}")
     return files[: p.limit] if p.limit else files
 
 
 def build(p: TraceParams) -> Workload:
+    p = replace(p, path=p.path or default_trace_dir())
     sessions: list[SessionScript] = []
     block = scaled(CC_BLOCK, p.token_scale)
     for f in trace_files(p):
-        if f.suffix == ".jsonl":
+        if _name(f)[1] == ".jsonl":
             sessions += _mooncake(f, p)
             block = scaled(MOONCAKE_BLOCK, p.token_scale)
         else:
@@ -184,7 +228,7 @@ def _all_requests(entries: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def _claude_code(path: Path, p: TraceParams) -> SessionScript:
-    with path.open() as f:
+    with _open(path) as f:
         doc = json.load(f)
     builder = _Builder(doc, p)
     return builder.session(builder.ns, doc, "main", 0.0)
@@ -192,8 +236,9 @@ def _claude_code(path: Path, p: TraceParams) -> SessionScript:
 
 def _mooncake(path: Path, p: TraceParams) -> list[SessionScript]:
     block = scaled(MOONCAKE_BLOCK, p.token_scale)
+    stem = _name(path)[0]
     out: list[SessionScript] = []
-    with path.open() as f:
+    with _open(path) as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue
@@ -204,10 +249,10 @@ def _mooncake(path: Path, p: TraceParams) -> list[SessionScript]:
             last_scaled = scaled(min(max(last, 1), MOONCAKE_BLOCK), p.token_scale)
             if ids:
                 last_tokens = None if last_scaled == block else last_scaled
-                seg = Segment(f"shared/mooncake/{path.stem}", ids, block, last_tokens)
+                seg = Segment(f"shared/mooncake/{stem}", ids, block, last_tokens)
             else:  # shorter than one block: private content
-                seg = Segment(f"{path.stem}/line", [n], scaled(n_in, p.token_scale))
+                seg = Segment(f"{stem}/line", [n], scaled(n_in, p.token_scale))
             call = Call((seg,), scaled(int(rec["output_length"]), p.token_scale))
             start = float(rec.get("timestamp", 0)) / 1000.0
-            out.append(SessionScript(f"mc-{path.stem}-{n}", (call,), start=start))
+            out.append(SessionScript(f"mc-{stem}-{n}", (call,), start=start))
     return out

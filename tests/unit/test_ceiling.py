@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import lzma
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +14,13 @@ import pytest
 from loadgen import ceiling
 from loadgen.workloads import build_workload
 from loadgen.workloads.base import Call, Segment, SessionScript, Workload
+from loadgen.workloads.trace import SHIPPED_TRACES
 
-TRACES = Path("/work/shared/traces/claude-code")
-REFERENCE = Path("/work/shared/tools/trace_ceiling.py")
+# an independent ceiling calculator; not part of the repository, so the cross-check runs only
+# where it is installed (KVKEEPER_CEILING_REFERENCE names it elsewhere)
+REFERENCE = Path(
+    os.environ.get("KVKEEPER_CEILING_REFERENCE", "/work/shared/tools/trace_ceiling.py")
+)
 
 
 def _one_call_sessions(blocks: list[list[str]], gap: float = 2.0) -> Workload:
@@ -93,6 +99,19 @@ def test_slots_run_roots_one_after_another() -> None:
     assert replay.reqs[-1].finish == pytest.approx(sum(t.duration for t in timelines))
 
 
+def test_trace_ceilings_are_ordered_and_reach_inf_at_the_peak() -> None:
+    """On real traces: LRU <= Belady <= infinite, Belady = infinite with room for the peak."""
+    files = "trace_0291,trace_0274,trace_0398"
+    wl = build_workload("trace", {"files": files, "shared_head": False})
+    mine = ceiling.ceilings(wl, arrival="lanes", concurrency=(2, 3), capacities=(0.25, 1.0))
+    for level in mine:
+        low, full = level["rows"]
+        assert 0 < low["rates"]["lru"] <= low["rates"]["belady"] <= level["inf"] < 1
+        assert full["rates"]["belady"] == pytest.approx(level["inf"], abs=1e-12)
+        assert full["C"] == level["peak_ws"]
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason=f"{REFERENCE} is not installed")
 def test_matches_the_independent_calculator(tmp_path: Path) -> None:
     files = [
         "trace_0030.json",
@@ -102,12 +121,14 @@ def test_matches_the_independent_calculator(tmp_path: Path) -> None:
         "trace_0282.json",
         "trace_0291.json",
     ]  # name order, as the workload reads them
+    for f in files:  # the calculator reads plain JSON
+        (tmp_path / f).write_bytes(lzma.decompress((SHIPPED_TRACES / f"{f}.xz").read_bytes()))
     out = tmp_path / "ref.json"
     subprocess.run(
         [
             sys.executable,
             str(REFERENCE),
-            *(str(TRACES / f) for f in files),
+            *(str(tmp_path / f) for f in files),
             "--concurrency",
             "2,3",
             "--capacity",
@@ -132,9 +153,9 @@ def test_matches_the_independent_calculator(tmp_path: Path) -> None:
         assert level["inf"] == pytest.approx(theirs["inf"], abs=1e-12)
         for row, trow in zip(level["rows"], theirs["rows"], strict=True):
             assert row["C"] == trow["C"]
-            # Exact, except where running requests overflow the cache (here N=3 at 25%: a
-            # quarter of the tokens find no room), where the two tools account partially
-            # cached requests differently; measured gap there: 0.05 pp.
+            # Exact, except where running requests overflow the cache (a quarter of the
+            # tokens find no room), where the two tools account partially cached requests
+            # differently.
             tol = 1e-12 if trow["no_room"] < 0.2 or level["n"] == 2 else 1e-3
             assert row["no_room"] == pytest.approx(trow["no_room"], abs=tol)
             for policy in ceiling.POLICIES:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import lzma
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,9 @@ from loadgen.runner import render_messages
 from loadgen.workloads import build_workload, load_spec, make_params, parse_overrides
 from loadgen.workloads.base import Call, Segment, Spawn, Workload, sized
 from loadgen.workloads.hints import HintPolicy, call_hints, manage_body
+from loadgen.workloads.trace import SHIPPED_TRACES, TRACE_DIR_ENV
 
-TRACES = Path("/work/shared/traces/claude-code")
+TRACES = SHIPPED_TRACES
 
 
 def _ids(call: Call) -> list[int]:
@@ -96,7 +99,7 @@ def test_claude_code_traces_match_source_md_counts() -> None:
 
 
 def test_trace_prompts_keep_sizes_and_think_times() -> None:
-    doc = json.loads((TRACES / "trace_0291.json").read_text())
+    doc = json.loads(lzma.decompress((TRACES / "trace_0291.json.xz").read_bytes()))
     wl = build_workload("trace", {"files": "trace_0291"})
     calls = [s for s in wl.sessions[0].steps if isinstance(s, Call)]
     top = [e for e in doc["requests"] if e.get("type") != "subagent"]
@@ -113,6 +116,34 @@ def test_trace_prompts_keep_sizes_and_think_times() -> None:
 def test_trace_without_shared_head_keeps_private_namespaces() -> None:
     wl = build_workload("trace", {"files": "trace_0291,trace_0274", "shared_head": False})
     assert all(not seg.namespace.startswith("shared/") for c in wl.calls() for seg in c.prompt)
+
+
+def test_trace_dir_from_the_environment_plain_files_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$KVKEEPER_TRACE_DIR replaces the shipped set; a plain file wins over its .xz copy."""
+    shutil.copy(TRACES / "trace_0291.json.xz", tmp_path)
+    shutil.copy(TRACES / "trace_0274.json.xz", tmp_path)
+    doc = json.loads(lzma.decompress((TRACES / "trace_0274.json.xz").read_bytes()))
+    doc["requests"] = doc["requests"][:3]  # a different file under the same name
+    (tmp_path / "trace_0274.json").write_text(json.dumps(doc))
+    (tmp_path / "notes.txt").write_text("not a trace")
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    wl = build_workload("trace", {})
+    assert [s.session_id for s in wl.sessions] == ["trace_0274", "trace_0291"]
+    plain = build_workload("trace", {"path": str(tmp_path / "trace_0274.json")})
+    monkeypatch.delenv(TRACE_DIR_ENV)
+    shipped = build_workload("trace", {"files": "trace_0274"})
+    assert shipped.params["path"] == str(TRACES)
+    assert wl.sessions[0] == plain.sessions[0] != shipped.sessions[0]
+    assert wl.params["path"] == str(tmp_path)
+
+
+def test_trace_names_a_missing_file_or_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no trace_9999 under"):
+        build_workload("trace", {"files": "trace_0291,trace_9999"})
+    with pytest.raises(ValueError, match="no such trace file or directory"):
+        build_workload("trace", {"path": str(tmp_path / "absent")})
 
 
 def test_mooncake_jsonl(tmp_path: Path) -> None:
@@ -201,3 +232,19 @@ def test_hint_modes() -> None:
         "manage_request": True,
         "edits": [{"type": "evict"}],
     }
+
+
+def test_cli_trace_dir_and_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy.cli import main
+
+    shutil.copy(TRACES / "trace_0398.json.xz", tmp_path)
+    argv = ["bench", "ceiling", "--workload", "trace", "--concurrency", "1", "--capacity", "1.0"]
+    assert main([*argv, "--trace-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | 946 | 64 | 36 |" in out  # trace_0398 alone: its 36 requests
+    assert main([*argv, "--set", "files=trace_9999"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvkeeper bench ceiling: error: trace: no trace_9999 under")
+    assert len(err.splitlines()) == 1

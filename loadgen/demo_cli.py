@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,9 @@ async def _one(args: argparse.Namespace, label: str, hints: str) -> RunResult:
         # kvkeeper with its embedded Redis (no URL), as `kvkeeper serve` runs by default
         retention = {"tick_s": 0.1}
         logs = args.out / "logs"
+        token = os.environ.setdefault("KVKEEPER_ADMIN_TOKEN", secrets.token_urlsafe(12))
         async with start_kvkeeper([sim], None, logs, retention=retention, offload=False) as url:
+            print(f"console (live while this run lasts): {url}/ui/#token={token}", flush=True)
             target = Target(url, "sim", hints=HintPolicy(mode=hints))  # type: ignore[arg-type]
             return await run_workload(workload, target, options, label=label)
 

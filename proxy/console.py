@@ -321,7 +321,11 @@ def _by_label(metric: Any, label: str, value: str, key: str, suffix: str = "") -
     out: dict[str, float] = {}
     for family in metric.collect():
         for sample in family.samples:
-            if sample.name.endswith(suffix) and sample.labels.get(label) == value:
+            if (
+                sample.name.endswith(suffix)
+                and not sample.name.endswith("_created")  # a timestamp, not a count
+                and sample.labels.get(label) == value
+            ):
                 out[sample.labels.get(key, "")] = sample.value
     return out
 

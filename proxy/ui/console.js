@@ -37,6 +37,9 @@ function setStatus(text, cls) { const s = $("status"); s.textContent = text; s.c
 
 // --- the session forest ---------------------------------------------------------------------
 async function loadForest() {
+  // an open action menu or confirmation would be destroyed by a re-render: wait for it
+  if (document.activeElement && document.activeElement.matches("select.act")) return;
+  if ($("confirm").open) return;
   const page = await api("GET", "/admin/console/forest", {
     tenant: state.tenant, q: state.q, state: state.filter, offset: state.offset, limit: PAGE,
   });
@@ -86,9 +89,9 @@ function row(s, depth, lastFlags, nkids, closed) {
     : '<span class="muted">–</span>';
   const blocks = s.blocks == null ? '<span class="muted">–</span>'
     : `${num(s.gpu_blocks)} / ${num(s.tier_blocks)} / ${num(s.blocks)}`;
-  const actions = ['<button data-op="free">free</button>']
-    .concat(nkids ? ['<button data-op="free-tree">free tree</button>'] : [])
-    .concat(OPS.map((op) => `<button data-op="${op}">${op}</button>`)).join("");
+  const ops = ["free"].concat(nkids ? ["free-tree"] : [], OPS);
+  const actions = '<select class="act" aria-label="action"><option value="">action…</option>' +
+    ops.map((op) => `<option value="${op}">${op.replace("-", " ")}</option>`).join("") + "</select>";
   return `<tr class="node${s.matched && state.q ? " matched" : ""}" data-sid="${esc(s.session_id)}" data-tenant="${esc(s.tenant)}"` +
     ` data-parent="${esc(s.parent_session_id || "")}" data-depth="${depth}" data-state="${esc(s.display_state)}" data-children="${nkids}">` +
     `<td class="sid"><span class="tree">${treePrefix(lastFlags)}</span>${toggle}${esc(s.session_id)}` +
@@ -115,20 +118,15 @@ function tickTTL() {
 
 // --- engines -----------------------------------------------------------------------------------
 function chart(points, key, fmt, color) {
-  const vals = points.map((p) => p[key]);
-  const known = vals.filter((v) => v != null);
-  const last = known.length ? fmt(known[known.length - 1]) : "–";
-  if (known.length < 2) return { svg: '<svg class="chart" viewBox="0 0 300 40"></svg>', last };
-  const max = key === "hit_rate" ? 1 : Math.max(...known) * 1.1 || 1;
-  const step = 300 / Math.max(1, vals.length - 1);
-  const segs = []; let cur = [];
-  vals.forEach((v, i) => {
-    if (v == null) { if (cur.length) segs.push(cur); cur = []; return; }
-    cur.push(`${(i * step).toFixed(1)},${(38 - 36 * v / max).toFixed(1)}`);
-  });
-  if (cur.length) segs.push(cur);
-  const lines = segs.map((s) => `<polyline fill="none" stroke="${color}" stroke-width="1.5" points="${s.join(" ")}"/>`).join("");
-  return { svg: `<svg class="chart" viewBox="0 0 300 40" preserveAspectRatio="none">${lines}</svg>`, last };
+  // one line through the points that have a value (a window without requests has none)
+  const pts = points.map((p, i) => [i, p[key]]).filter(([, v]) => v != null);
+  const last = pts.length ? fmt(pts[pts.length - 1][1]) : "–";
+  const max = key === "hit_rate" ? 1 : Math.max(...pts.map(([, v]) => v)) * 1.15 || 1;
+  const step = 300 / Math.max(1, points.length - 1);
+  const xy = pts.map(([i, v]) => `${(i * step).toFixed(1)},${(38 - 36 * v / max).toFixed(1)}`);
+  const line = xy.length > 1 ? `<polyline fill="none" stroke="${color}" stroke-width="1.5" points="${xy.join(" ")}"/>` : "";
+  const dot = xy.length ? `<circle r="2" fill="${color}" cx="${xy[xy.length - 1].split(",")[0]}" cy="${xy[xy.length - 1].split(",")[1]}"/>` : "";
+  return { svg: `<svg class="chart" viewBox="0 0 300 40" preserveAspectRatio="none">${line}${dot}</svg>`, last };
 }
 
 function outcomes(obj) {
@@ -149,7 +147,7 @@ async function loadEngines() {
       '<dl class="kv">' +
       `<dt>load</dt><dd>${num(e.inflight)} in flight${e.load ? `, ${num(e.load.running)} running, ${num(e.load.waiting)} waiting` : ""}</dd>` +
       `<dt>pool</dt><dd>${pct(use)} of ${num(e.load && e.load.pool_blocks)} blocks</dd>` +
-      `<dt>LRU horizon</dt><dd>${e.horizon_s == null ? "–" : e.horizon_s.toFixed(1) + " s"} <span class="muted">${esc(e.horizon_source || "")} ${esc(e.mode || "")}</span></dd>` +
+      `<dt>LRU horizon</dt><dd>${e.horizon_s == null ? "–" : e.horizon_s.toFixed(1) + " s"} <span class="muted">from ${esc(e.horizon_source || "–")}</span></dd>` +
       `<dt>resident</dt><dd>${resident}</dd>` +
       `<dt>protected</dt><dd>${num(e.protected_sessions)} sessions</dd>` +
       `<dt>credit</dt><dd>${e.credit ? `${num(Math.round(e.credit.credit_tokens))} tokens (share ${e.credit.max_share}), recomputed ${num(e.credit.recomputed_tokens)}, declined ${num(e.credit.declined)}` : "–"}</dd>` +
@@ -245,14 +243,18 @@ function init() {
   $("next").addEventListener("click", () => { state.offset += PAGE; refresh(); });
   $("forest-body").addEventListener("click", (ev) => {
     const tr = ev.target.closest("tr.node");
-    if (!tr) return;
-    if (ev.target.dataset.toggle) {
-      const key = tr.dataset.tenant + "\u001f" + tr.dataset.sid;
-      if (state.collapsed.has(key)) state.collapsed.delete(key); else state.collapsed.add(key);
-      refresh();
-    } else if (ev.target.dataset.op) {
-      act(tr, ev.target.dataset.op);
-    }
+    if (!tr || !ev.target.dataset.toggle) return;
+    const key = tr.dataset.tenant + "\u001f" + tr.dataset.sid;
+    if (state.collapsed.has(key)) state.collapsed.delete(key); else state.collapsed.add(key);
+    refresh();
+  });
+  $("forest-body").addEventListener("change", (ev) => {
+    const tr = ev.target.closest("tr.node");
+    if (!tr || !ev.target.matches("select.act") || !ev.target.value) return;
+    const op = ev.target.value;
+    ev.target.value = "";
+    ev.target.blur();
+    act(tr, op);
   });
   setInterval(tickTTL, 200);
   if ($("token").value) connect();

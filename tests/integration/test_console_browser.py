@@ -103,7 +103,7 @@ async def test_console_shows_the_forest_and_frees_a_tree(
         await page.screenshot(path=str(tmp_path / "console-forest.png"), full_page=True)
 
         # free the job tree from the console, confirmed in the dialog
-        await page.click('tr[data-sid="job"] button[data-op="free-tree"]')
+        await page.select_option('tr[data-sid="job"] select.act', "free-tree")
         assert "job" in await page.inner_text("#confirm-text")
         await page.click("#confirm-ok")
         outcome = page.locator('li.outcome[data-op="free-tree"][data-sid="job"]')
@@ -114,14 +114,14 @@ async def test_console_shows_the_forest_and_frees_a_tree(
             status, _ = await st.admin("GET", f"/admin/sessions/{sid}", tenant="a")
             assert status == 404, sid  # the admin API agrees
         # an action that needs what this proxy lacks shows its structured outcome
-        await page.click('tr[data-sid="probe"] button[data-op="offload"]')
+        await page.select_option('tr[data-sid="probe"] select.act', "offload")
         await page.click("#confirm-ok")
         outcome = page.locator('li.outcome[data-op="offload"][data-sid="probe"]')
         await outcome.wait_for(timeout=5_000)
         assert await outcome.get_attribute("data-status") == "unsupported"
         assert "no_offload_tier" in await outcome.inner_text()
         # cancelling does nothing
-        await page.click('tr[data-sid="lead-b"] button[data-op="free"]')
+        await page.select_option('tr[data-sid="lead-b"] select.act', "free")
         await page.click("#confirm-cancel")
         await asyncio.sleep(0.5)
         assert await page.locator('tr[data-sid="lead-b"]').count() == 1

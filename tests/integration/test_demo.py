@@ -16,6 +16,7 @@ def test_the_demo_runs_both_targets_and_writes_its_report(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     assert "run 1/2 straight to the engine" in done.stdout
     assert "run 2/2 through kvkeeper" in done.stdout
+    assert "console (live while this run lasts): http://127.0.0.1:" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| direct", "| kvk"))]
     assert len(rows) == 2 and "kvkeeper vs direct: hit rate" in done.stdout
     for name in ("report.md", "ttft_cdf.png", "hit_rate.png", "summary.json"):

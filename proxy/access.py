@@ -39,6 +39,7 @@ class AccessInfo:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     hint: str | None = None  # the X-KVKeeper-Hint outcome
+    response_id: str | None = None  # a Responses API answer's id (not logged)
 
 
 def _request_id(request: web.Request) -> str:

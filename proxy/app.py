@@ -25,6 +25,7 @@ from proxy.embedded import EmbeddedRedis
 from proxy.errors import error_middleware
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
+from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.retention import EngineState, Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
@@ -125,6 +126,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt
+        app[RESPONSES] = ResponseMap(store, settings.response_ttl_s)
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
         stopping = asyncio.Event()
         watching = asyncio.create_task(
@@ -156,4 +158,5 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
     add_routes(app)
     add_admin_routes(app)
     add_console_routes(app)
+    add_passthrough(app)  # last: the catch-all matches every path not routed above
     return app

@@ -70,6 +70,24 @@ def _proxied(summary: str) -> dict[str, Any]:
     }
 
 
+def _relayed() -> dict[str, Any]:
+    """The catch-all (proxy/passthrough.py): every other engine route, relayed unchanged."""
+    op = {
+        "summary": "Any other engine route (count_tokens, /v1/models/{id}, /v1/embeddings, "
+        "/tokenize, /detokenize, /health, /version, /v1/responses/{id} ...), relayed byte for "
+        "byte to one engine: a hinted request to its session's engine, a stored response's id "
+        "to the engine that holds it, else the least loaded engine",
+        "parameters": [
+            {"name": "tail", "in": "path", "required": True, "schema": {"type": "string"}}
+        ],
+        "responses": {
+            "200": _resp("The engine's answer, unchanged (any status)"),
+            "502": _resp("No engine could take the request", _ERROR),
+        },
+    }
+    return {m: op for m in ("get", "post", "put", "patch", "delete")}
+
+
 def _ref(model: type[BaseModel]) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
@@ -158,6 +176,7 @@ def document() -> dict[str, Any]:
             "get": {"summary": "Models merged across engines", "responses": {"200": _resp("List")}}
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _resp("Alive")}}},
+        "/{tail}": _relayed(),
         "/readyz": {
             "get": {
                 "summary": "Readiness: at least one engine healthy",

@@ -22,6 +22,7 @@ from proxy.access import access_info
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
+from proxy.passthrough import previous_response_id, remember_response, response_engine
 from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
@@ -54,6 +55,9 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         # the Redis round trip runs while the request travels to the engine
         registering = asyncio.create_task(rt.register(tenant, hint))
     session = (tenant, hint.session_id) if hint is not None else None
+    # a Responses request continuing a stored response runs where that response is stored
+    previous = previous_response_id(request.path, parsed.json_body, raw)
+    pinned = await response_engine(request, tenant, previous) if previous else None
     try:
         resp, engine, usage, reg = await _forward(
             rt,
@@ -65,10 +69,14 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             edits=bool(hint and hint.edits),
             prioritize=rt.settings.retention.admission_priority
             and not _client_priority(request, parsed.json_body, raw),
+            pinned=pinned,
         )
     finally:
         if registering is not None and not registering.done():
             rt.keep(registering)  # forwarding failed first: let the registration finish
+    response_id = access_info(request).response_id
+    if response_id is not None and resp.status < 400:
+        remember_response(request, tenant, response_id, engine.name)
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
         _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage)
     return resp
@@ -92,6 +100,7 @@ async def _forward(
     *,
     edits: bool,
     prioritize: bool,
+    pinned: Engine | None = None,
 ) -> tuple[web.StreamResponse, Engine, Usage | None, Registration | None]:
     """Send the request (``body``, hints stripped) to the chosen engine (failing over) and
     relay its answer. Placement hashes the client's ``raw`` body: stripping a hint re-serializes
@@ -118,6 +127,8 @@ async def _forward(
         if registering is not None and not chain:
             reg = await registering
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
+    if pinned is not None:  # it must run there (a stored response): placement does not choose
+        order = [pinned, *(e for e in order if e is not pinned)]
     gate, ticket = rt.dispatch, None
     if order and (gate is not None or prioritize):
         cost, resident = rt.uncached_estimate(order[0].name, len(body), session)
@@ -198,6 +209,7 @@ async def _forward(
         time.perf_counter() - sent_at
     )
     usage = sniffer.finish()
+    info.response_id = sniffer.response_id
     if usage is not None:
         info.prompt_tokens, info.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         rt.learn_size(len(body), usage.prompt_tokens)

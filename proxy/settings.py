@@ -193,6 +193,9 @@ class Settings(BaseSettings):
     tenants_file: Path | None = None
     namespace: str = "kvk"
     health_interval_s: float = Field(default=5.0, gt=0)
+    # how long kvkeeper remembers which engine holds a Responses API id (GET /v1/responses/{id},
+    # previous_response_id); the engine's own store may forget it sooner
+    response_ttl_s: float = Field(default=86_400.0, gt=0)
     limits: Limits = Field(default_factory=Limits)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)

@@ -82,6 +82,7 @@ class UsageSniffer:
         self.enabled = not content_encoding or content_encoding == "identity"
         self._buf = bytearray()
         self.usage: Usage | None = None
+        self.response_id: str | None = None  # a Responses API answer's id (its stored id)
         self.first_byte_at: float | None = None
         self.on_first_byte: list[Callable[[], None]] = []  # called once, at the first byte
 
@@ -117,9 +118,18 @@ class UsageSniffer:
             event = jsonio.loads(payload)
         except ValueError:
             return
+        if isinstance(event, dict):
+            self._response_id(event)
         found = normalize(_find_usage(event))
         if found is not None:
             self.usage = _merge(self.usage, found)
+
+    def _response_id(self, event: dict[str, Any]) -> None:
+        """A Responses body (``object: response``) or stream event (``response.completed``)."""
+        inner = event.get("response")
+        found = inner if isinstance(inner, dict) else event
+        if found.get("object") == "response" and isinstance(found.get("id"), str):
+            self.response_id = found["id"]
 
     def finish(self) -> Usage | None:
         if self.enabled and not self.sse and self._buf:

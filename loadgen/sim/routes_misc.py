@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from loadgen.sim.api import ENGINE, MODEL, TOKENIZER, _bad, _json_body, now
-from loadgen.sim.routes_openai import chat_prompt
+from loadgen.sim.routes_openai import anthropic_prompt, chat_prompt
 
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 EVENT_SOURCES = web.AppKey("event_sources", dict[str, Any])
@@ -44,6 +44,26 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the one model's card, or vLLM's 404."""
+    name = request.app[MODEL]
+    if request.match_info["model"] != name:
+        raise web.HTTPNotFound(text=f"The model `{request.match_info['model']}` does not exist.")
+    card = {"id": name, "object": "model", "created": now(), "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": request.app[ENGINE].max_model_len}  # fmt: skip
+    return web.json_response(card)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic ``/v1/messages/count_tokens``: the prompt's tokens, nothing computed."""
+    body = await _json_body(request)
+    return web.json_response({"input_tokens": len(anthropic_prompt(body, request))})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "sim"})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -68,6 +88,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kv_event_sources", kv_event_sources)

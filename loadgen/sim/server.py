@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 import loadgen.sim.routes_misc as routes_misc
 import loadgen.sim.routes_openai as routes_openai
+import loadgen.sim.routes_responses as routes_responses
 from loadgen.sim.api import ENGINE, MODEL, REPLY, TOKENIZER, error_middleware
 from loadgen.sim.belady import EvictRule
 from loadgen.sim.engine import EngineConfig, SchedulingPolicy, SimEngine
@@ -136,6 +137,7 @@ def create_app(engine: SimEngine, config: SimConfig, publisher: EventPublisher) 
               "topic": config.topic}
     }  # fmt: skip
     routes_openai.add_routes(app)
+    routes_responses.add_routes(app)
     routes_misc.add_routes(app)
     return app
 

@@ -1,0 +1,185 @@
+"""Every engine route kvkeeper does not handle itself, relayed byte for byte (the catch-all).
+
+vLLM serves more than the four generation routes: ``/v1/messages/count_tokens``,
+``GET /v1/models/{id}``, ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/health``,
+``/version``, ``GET /v1/responses/{id}`` ... Each is sent to one engine with its body unchanged
+(hints, where a body or the headers carry them, stripped as on the generation routes) and the
+engine's answer comes back unchanged. Placement keeps together what must stay together:
+
+- a hinted request (``count_tokens`` with its session's headers or Anthropic cache breakpoints)
+  goes to the engine its session last used;
+- ``/v1/responses/{id}`` (and a new response's ``previous_response_id``) goes to the engine that
+  holds that response: kvkeeper remembers response id -> engine in Redis (``ResponseMap``);
+- anything else goes to the least loaded healthy engine. A GET that one engine answers 404 is
+  asked of the next (engines may serve different models or hold different responses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+from aiohttp import ClientResponse, web
+from redis.exceptions import RedisError
+
+from proxy.access import REQUEST_ID, access_info
+from proxy.errors import NotFound
+from proxy.hints import parse_request
+from proxy.runtime import RUNTIME, Runtime
+from proxy.store import SessionStore, StoreDown
+from proxy.upstream import Engine, response_headers, upstream_headers
+
+log = logging.getLogger("kvkeeper.passthrough")
+
+RESPONSE_ROUTE = "/v1/responses"
+_RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]{1,256})(?:/.*)?$")
+# a new response continuing a stored one; searched in the raw bytes when the body was not parsed
+_PREVIOUS = re.compile(rb'"previous_response_id"\s*:\s*"([^"\\]{1,256})"')
+# routes whose body is in another dialect's shape than their path says
+_DIALECT_OF = {"/v1/messages/count_tokens": "/v1/messages"}
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_OWN_PREFIXES = ("/admin/", "/ui/")  # kvkeeper's own trees: never sent to an engine
+
+
+class ResponseMap:
+    """Responses API ids -> the engine that stored them, in Redis with a TTL (fail open)."""
+
+    def __init__(self, store: SessionStore, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+
+    def _key(self, tenant: str, response_id: str) -> str:
+        return self.store.key("resp", tenant, response_id)
+
+    async def remember(self, tenant: str, response_id: str, engine: str) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.store.redis.set(
+                self._key(tenant, response_id), engine, ex=max(1, int(self.ttl_s))
+            )
+
+    async def engine_of(self, tenant: str, response_id: str) -> str | None:
+        try:
+            raw = await self.store.redis.get(self._key(tenant, response_id))
+        except (RedisError, OSError, TimeoutError):
+            return None
+        if raw is None:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+RESPONSES = web.AppKey("responses", ResponseMap)
+
+
+def previous_response_id(route: str, body: dict[str, object] | None, raw: bytes) -> str | None:
+    """The stored response a new ``/v1/responses`` request continues, if any."""
+    if route != RESPONSE_ROUTE:
+        return None
+    if body is not None:
+        value = body.get("previous_response_id")
+        return value if isinstance(value, str) and value else None
+    found = _PREVIOUS.search(raw)
+    return found.group(1).decode(errors="replace") if found else None
+
+
+async def response_engine(request: web.Request, tenant: str, response_id: str) -> Engine | None:
+    """The healthy engine that holds ``response_id``, when kvkeeper saw it made."""
+    responses = request.app.get(RESPONSES)
+    if responses is None:
+        return None
+    name = await responses.engine_of(tenant, response_id)
+    engine = request.app[RUNTIME].pool.get(name)
+    return engine if engine is not None and engine.healthy else None
+
+
+def remember_response(request: web.Request, tenant: str, response_id: str, engine: str) -> None:
+    """Record where a new response lives (off the hot path)."""
+    responses = request.app.get(RESPONSES)
+    if responses is not None:
+        request.app[RUNTIME].spawn(responses.remember(tenant, response_id, engine))
+
+
+async def session_engine(rt: Runtime, tenant: str, session_id: str) -> Engine | None:
+    """The healthy engine the session's last request ran on (buffered completion, else Redis)."""
+    name = None
+    latest = rt.completions.latest(tenant, session_id) if rt.completions is not None else None
+    if latest is not None:
+        name = latest[0]
+    elif rt.store is not None:
+        with contextlib.suppress(StoreDown):
+            session = await rt.store.get(tenant, session_id)
+            name = session.engine if session is not None else None
+    engine = rt.pool.get(name)
+    return engine if engine is not None and engine.healthy else None
+
+
+async def relay(request: web.Request) -> web.StreamResponse:
+    """The catch-all handler: one engine's answer to this request, unchanged."""
+    if request.path.startswith(_OWN_PREFIXES):
+        raise NotFound(f"no route {request.method} {request.path}", code="not_found")
+    rt = request.app[RUNTIME]
+    info = access_info(request)
+    tenant = rt.tenants.tenant_for(request.headers)
+    info.tenant = tenant
+    raw = await request.read()
+    json_body = not raw or "json" in request.content_type
+    dialect = _DIALECT_OF.get(request.path, request.path)
+    parsed = parse_request(dialect, request.headers, raw if json_body else b"", rt.settings.limits)
+    body = parsed.body if json_body else raw
+    pinned: Engine | None = None
+    found = _RESPONSE_PATH.match(request.path)
+    if found is not None:
+        pinned = await response_engine(request, tenant, found.group(1))
+    elif parsed.hint is not None:
+        pinned = await session_engine(rt, tenant, parsed.hint.session_id)
+    order = rt.engine_order(None)
+    if pinned is not None:
+        order = [pinned, *(e for e in order if e is not pinned)]
+    headers = upstream_headers(
+        request.headers,
+        info.request_id,
+        api_key=rt.settings.upstream.api_key,
+        drop_auth=rt.tenants.multi_tenant,
+    )
+    retry_404 = request.method in ("GET", "HEAD")
+    while True:
+        engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+        rest = order[order.index(engine) + 1 :]
+        if retry_404 and upstream.status == 404 and any(e.healthy for e in rest):
+            engine.inflight -= 1  # this engine does not have it: ask the next one
+            upstream.release()
+            order = rest
+            continue
+        break
+    info.engine = engine.name
+    try:
+        return await _send(request, upstream, engine.name, info.request_id)
+    except BaseException:  # client gone or cancelled: drop the engine's connection now
+        upstream.close()
+        raise
+    finally:
+        engine.inflight -= 1
+        upstream.release()
+
+
+async def _send(
+    request: web.Request, upstream: ClientResponse, engine: str, request_id: str
+) -> web.StreamResponse:
+    headers = response_headers(upstream.headers)
+    headers[REQUEST_ID] = request_id
+    headers["X-KVKeeper-Engine"] = engine
+    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    if upstream.content_length is not None:
+        resp.content_length = upstream.content_length
+    await resp.prepare(request)
+    async for chunk in upstream.content.iter_any():
+        await resp.write(chunk)
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
+
+
+def add_passthrough(app: web.Application) -> None:
+    """Register the catch-all; call it after every other route (it matches every path)."""
+    for method in _METHODS:
+        app.router.add_route(method, "/{tail:.*}", relay)

@@ -361,3 +361,261 @@ def test_alert_rules_are_well_formed() -> None:
     dash = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"] == "kvkeeper"
+
+
+# --- Helm ------------------------------------------------------------------------------------
+
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # Prometheus Operator CRDs
+
+
+def render(values: dict[str, Any] | None = None, name: str = "rel") -> list[dict[str, Any]]:
+    """The chart rendered by Helm's SDK (schema checked, as `helm install` does); its objects."""
+    import helm_python as helm
+
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values or {}, name=name, namespace="ai", is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+EVERYTHING = {
+    "serviceMonitor": {"enabled": True, "release": "prom"},
+    "prometheusRule": {"enabled": True},
+    "grafanaDashboard": {"enabled": True},
+    "vllm": {"replicas": 2},
+}
+EXTERNAL = {
+    "vllm": {"enabled": False},
+    "redis": {"enabled": False, "url": "redis://my-redis:6379/2"},
+    "engines": [
+        {
+            "name": "a",
+            "url": "http://engine-a:8000",
+            "events": "tcp://engine-a:5557",
+            "lmcache": {
+                "coordinatorUrl": "http://engine-a:9300",
+                "serverUrl": "http://engine-a:9280",
+                "modelName": "m",
+            },
+        },
+        {"url": "http://engine-b:8000"},
+    ],
+    "adminToken": {"existingSecret": "my-admin"},
+    "serviceAccount": {"create": False},
+    "podDisruptionBudget": {"enabled": False},
+}
+
+
+def test_chart_lints_clean() -> None:
+    import helm_python as helm
+
+    for values in ({}, EVERYTHING, EXTERNAL):
+        report = helm.lint(str(CHART), values, strict=True, kube_version="v1.34.0")
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        assert not problems, problems
+
+
+@pytest.mark.parametrize("values", [{}, EVERYTHING, EXTERNAL], ids=["default", "all", "external"])
+def test_rendered_manifests_pass_kubernetes_validate_strict(
+    values: dict[str, Any], tmp_path: Path
+) -> None:
+    import kubernetes_validate
+
+    docs = render(values)
+    files = []
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"{i:02d}-{doc['kind']}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        files.append(path)
+    version = kubernetes_validate.latest_version()  # the newest Kubernetes it knows
+    done = subprocess.run(
+        [_tool("kubernetes-validate"), "--strict", "-k", version, *map(str, files)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    passed = done.stdout.count(" passed for resource ")
+    crds = sum(d["kind"] in MONITORING_KINDS for d in docs)
+    assert passed == len(docs) - crds  # no schema for the CRDs: checked below instead
+    for line in done.stdout.splitlines() + done.stderr.splitlines():
+        if "Couldn't find schema" in line:
+            assert any(f"kind {k} " in line for k in MONITORING_KINDS), line
+
+
+def test_chart_deploys_vllm_with_lmcache_redis_and_a_restricted_kvkeeper() -> None:
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service", "Service",
+         "Service", "ServiceAccount", "StatefulSet", "StatefulSet"]
+    )  # fmt: skip
+    kvk = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    box = kvk["containers"][0]
+    sec = box["securityContext"]
+    assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"]
+    assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"]
+    assert sec["seccompProfile"]["type"] == "RuntimeDefault"
+    assert {p: box[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe")} == {
+        "startupProbe": "/healthz",
+        "livenessProbe": "/healthz",
+    }
+    assert box["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert kvk["serviceAccountName"] == "rel-kvkeeper"
+    env = {e["name"]: e for e in box["env"]}
+    assert env["KVKEEPER_REDIS_URL"]["value"] == "redis://rel-redis:6379/0"
+    assert env["KVKEEPER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "rel-kvkeeper-admin"
+
+    sets = {s["metadata"]["name"]: s for s in by_kind(docs, "StatefulSet")}
+    redis = sets["rel-redis"]["spec"]
+    args = redis["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert redis["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+    vllm = sets["rel-vllm"]["spec"]
+    pod = vllm["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    assert set(containers) == {"vllm", "lmcache-coordinator", "lmcache-server"}
+    engine_args = containers["vllm"]["args"]
+    for flag in VLLM_FLAGS:
+        assert any(a.startswith(flag) for a in engine_args), f"vLLM lacks {flag}"
+    transfer = json.loads(
+        next(a for a in engine_args if a.startswith("--kv-transfer-config=")).split("=", 1)[1]
+    )
+    assert transfer["kv_connector"] == "LMCacheMPConnector"
+    port = transfer["kv_connector_extra_config"]["lmcache.mp.port"]
+    server = containers["lmcache-server"]["command"]
+    assert f"--port={port}" in server and "--supported-transfer-mode=auto" in server
+    assert "--coordinator-advertise-ip=$(POD_IP)" in server  # kvkeeper reaches it there
+    seed = {e["name"]: e.get("value") for e in containers["vllm"]["env"]}["PYTHONHASHSEED"]
+    assert seed == "0"
+    assert containers["vllm"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {c["metadata"]["name"] for c in vllm["volumeClaimTemplates"]} == {
+        "model-cache",
+        "lmcache-l2",
+    }
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for name in ("vllm", "lmcache-server"):
+        assert {"name": "shm", "mountPath": "/dev/shm"} in containers[name]["volumeMounts"]
+    headless = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "rel-vllm")
+    assert headless["spec"]["clusterIP"] == "None"
+    pdb = by_kind(docs, "PodDisruptionBudget")[0]["spec"]
+    assert (
+        pdb["selector"]["matchLabels"]
+        == by_kind(docs, "Deployment")[0]["spec"]["selector"]["matchLabels"]
+    )
+
+
+def _chart_settings(docs: list[dict[str, Any]]) -> str:
+    cm = next(d for d in by_kind(docs, "ConfigMap") if "kvkeeper.yaml" in d["data"])
+    text: str = cm["data"]["kvkeeper.yaml"]
+    return text
+
+
+@pytest.mark.parametrize("values", [EVERYTHING, EXTERNAL], ids=["chart-engines", "external"])
+def test_kvkeeper_starts_with_the_rendered_configmap(
+    values: dict[str, Any], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    docs = render(values)
+    config = tmp_path / "kvkeeper.yaml"
+    config.write_text(_chart_settings(docs))
+    engines = serve_with_config(config, redis_server.url)["data"]
+    if values is EVERYTHING:
+        assert [e["name"] for e in engines] == ["rel-vllm-0", "rel-vllm-1"]
+        assert engines[1]["url"] == "http://rel-vllm-1.rel-vllm.ai.svc:8000"
+        assert engines[1]["events"] == "tcp://rel-vllm-1.rel-vllm.ai.svc:5557"
+    else:
+        assert [(e["name"], e["url"]) for e in engines] == [
+            ("a", "http://engine-a:8000"),
+            ("engine-b:8000", "http://engine-b:8000"),
+        ]
+    settings = yaml.safe_load(config.read_text())
+    assert settings["retention"]["hash_seed"] == "0"
+
+
+def test_chart_external_engines_and_redis() -> None:
+    docs = render(EXTERNAL)
+    assert not by_kind(docs, "StatefulSet") and not by_kind(docs, "Secret")
+    assert not by_kind(docs, "ServiceAccount") and not by_kind(docs, "PodDisruptionBudget")
+    box = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in box["env"]}
+    assert env["KVKEEPER_REDIS_URL"]["value"] == "redis://my-redis:6379/2"
+    assert env["KVKEEPER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-admin"
+    settings = yaml.safe_load(_chart_settings(docs))
+    assert settings["engines"][0]["lmcache"] == {
+        "coordinator_url": "http://engine-a:9300",
+        "server_url": "http://engine-a:9280",
+        "model_name": "m",
+        "chunk_size": 256,
+    }
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"vllm": {"modle": "x"}}, "modle"),
+        ({"retention": {"budgetShare": 2}}, "budgetShare"),
+        ({"vllm": {"enabled": False}}, "engines"),
+        ({"engines": [{"url": "vllm:8000"}]}, "url"),
+        ({"redis": {"enabled": False}}, "redis"),
+        ({"serviceMonitor": {"interval": "often"}}, "interval"),
+    ],
+)
+def test_chart_rejects_bad_values(values: dict[str, Any], problem: str) -> None:
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmError, match=problem):
+        render(values)
+
+
+def test_admin_secret_is_kept_across_upgrades() -> None:
+    """Without a cluster `lookup` finds nothing, so only the template can show the reuse: an
+    upgrade reads the Secret back and keeps its token; `value` wins; `keep` survives uninstall."""
+    template = (CHART / "templates" / "secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+    assert 'index $existing.data "token"' in template
+    secret = by_kind(render(), "Secret")[0]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(secret["data"]["token"]) >= 40
+    pinned = by_kind(render({"adminToken": {"value": "s3cret"}}), "Secret")[0]
+    assert pinned["data"]["token"] == "czNjcmV0"  # base64 of s3cret
+
+
+def test_monitoring_objects_are_selected_by_the_release_label() -> None:
+    docs = render(EVERYTHING)
+    for kind in MONITORING_KINDS:
+        (obj,) = by_kind(docs, kind)
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert obj["metadata"]["labels"]["release"] == "prom"
+    sm = by_kind(docs, "ServiceMonitor")[0]["spec"]
+    svc = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "rel-kvkeeper")
+    assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    pm = by_kind(docs, "PodMonitor")[0]["spec"]
+    relabel = pm["podMetricsEndpoints"][0]["relabelings"][0]
+    assert relabel == {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "engine"}
+    rule = by_kind(docs, "PrometheusRule")[0]["spec"]
+    assert rule == yaml.safe_load(ALERTS.read_text())
+    dash = next(
+        d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("dashboard")
+    )
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["kvkeeper-dashboard.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_chart_and_compose_give_vllm_the_same_kvkeeper_flags() -> None:
+    pod = by_kind(render(), "StatefulSet")
+    vllm = next(s for s in pod if s["metadata"]["name"] == "rel-vllm")
+    chart_args = vllm["spec"]["template"]["spec"]["containers"][0]["args"]
+    compose_args = compose_config("docker-compose.yml")["services"]["vllm"]["command"]
+    for flag in ("--enable-prefix-caching", "--prefix-caching-hash-algo", "--kv-events-config"):
+        assert [a for a in chart_args if a.startswith(flag)] == [
+            a for a in compose_args if a.startswith(flag)
+        ]

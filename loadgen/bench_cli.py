@@ -15,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadgen.extras import needs_bench
 from loadgen.workloads import WORKLOADS, build_workload, load_spec, parse_overrides
 from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HINT_MODES, HintPolicy
 from loadgen.workloads.trace import TRACE_DIR_ENV
 
 _EXTRA_MODULES = ("loadgen.bench_compare",)
+_WITHOUT_EXTRA = frozenset({"ceiling"})  # pure computation: no plots, no progress bar
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -41,9 +43,10 @@ def register(subparsers: Subparsers) -> None:
             raise
         module.register(sub)
     for name, parser in sub.choices.items():
-        parser.set_defaults(
-            func=_one_line_errors(f"kvkeeper bench {name}", parser.get_default("func"))
-        )
+        prog, func = f"kvkeeper bench {name}", parser.get_default("func")
+        if name not in _WITHOUT_EXTRA:
+            func = needs_bench(prog, func)
+        parser.set_defaults(func=_one_line_errors(prog, func))
 
 
 def _one_line_errors(

@@ -22,6 +22,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from loadgen.extras import needs_bench
 from loadgen.metrics import summarize
 from loadgen.records import RunResult
 from loadgen.report import render_report
@@ -73,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--speed", type=float, default=6.0, help="simulator speed-up over the cpu-smollm2 profile"
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=needs_bench("kvkeeper demo", run))
 
 
 async def _one(args: argparse.Namespace, label: str, hints: str) -> RunResult:

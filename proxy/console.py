@@ -306,7 +306,7 @@ def _view(
         blocks=blocks,
         gpu_blocks=gpu,
         tier_blocks=tier,
-        tier_pinned=(s.tenant, s.session_id) in pins,
+        tier_pinned=s.state == "offloaded" or (s.tenant, s.session_id) in pins,
         matched=matched,
         counters=ConsoleCounters(
             **{k: c.get(k, 0) for k in ConsoleCounters.model_fields if k != "hit_rate"},

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from loadgen.sim import SimConfig, run_simulator
@@ -84,14 +87,24 @@ async def _swarm(stack: ConsoleStack) -> None:
 
 
 @asynccontextmanager
-async def console_stack(redis_url: str, namespace: str, tmp: Path) -> AsyncIterator[ConsoleStack]:
+async def console_stack(
+    redis_url: str, namespace: str, tmp: Path, *, tier: bool = False
+) -> AsyncIterator[ConsoleStack]:
+    """``tier``: the simulator serves an LMCache-shaped CPU tier and kvkeeper drives it."""
     tenants = tmp / "tenants.yaml"
     tenants.write_text(TENANTS_YAML)
-    cfg = SimConfig(num_blocks=300, speed=30.0, reply_tokens=1)
+    cfg = SimConfig(num_blocks=300, speed=30.0, reply_tokens=1, cpu_blocks=2000 if tier else 0)
     async with AsyncExitStack() as stack:
         sim = await stack.enter_async_context(run_simulator(cfg))
+        engine: dict[str, Any] = {"url": sim.url, "events": sim.events_endpoint}
+        if sim.lmcache_url:
+            engine["lmcache"] = {
+                "coordinator_url": sim.lmcache_url,
+                "server_url": sim.lmcache_url,
+                "model_name": "sim",
+            }
         settings = load_settings(
-            engines=[{"url": sim.url, "events": sim.events_endpoint}],
+            engines=[engine],
             redis_url=redis_url,
             namespace=namespace,
             admin_token=ADMIN,
@@ -112,3 +125,42 @@ async def console_stack(redis_url: str, namespace: str, tmp: Path) -> AsyncItera
             swarm.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await swarm
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def _need_browser() -> None:
+    """Locally a missing browser skips; in CI (scripts/test.sh installs it) it fails."""
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing (scripts/test.sh installs it with apt)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    _need_browser()
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            await b.close()

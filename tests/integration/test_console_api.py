@@ -103,6 +103,27 @@ async def test_actions_the_console_calls_return_their_models(
         assert status == 404  # scoped to tenant b, where lead-a does not exist
 
 
+async def test_an_offload_shows_in_the_forest_and_the_engine_view(
+    redis_server: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    async with console_stack(redis_server.url, namespace, tmp_path, tier=True) as st:
+        status, body = await st.admin("POST", "/admin/sessions/lead-b/offload", tenant="b")
+        assert status == 200 and body["status"] == "applied", body
+        _, body = await st.admin("GET", "/admin/console/forest", q="lead-b")
+        lead = ForestPage.model_validate(body).trees[0].session
+        assert (lead.display_state, lead.tier_pinned) == ("offloaded", True)
+        status, body = await st.admin("GET", "/admin/console/engines")
+        (engine,) = ConsoleEngines.model_validate(body).engines
+        assert engine.tier is not None  # the tier's pin counts are shown
+        for _ in range(40):  # the tier's copy is reported by the engine's KV events
+            _, body = await st.admin("GET", "/admin/console/forest", q="lead-b")
+            lead = ForestPage.model_validate(body).trees[0].session
+            if lead.tier_blocks:
+                break
+            await asyncio.sleep(0.25)
+        assert lead.blocks and lead.tier_blocks, lead
+
+
 async def test_openapi_describes_the_console_and_validates(
     redis_server: RedisServer, namespace: str, tmp_path: Path
 ) -> None:

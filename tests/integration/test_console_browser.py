@@ -5,54 +5,13 @@ written under the test's tmp dir (artefacts, never committed)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.helpers.redis_server import RedisServer
-from tests.integration.console_fixtures import KEYS, console_stack
+from tests.integration.console_fixtures import KEYS, browser, console_stack
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-
-
-def _need_browser() -> None:
-    """Locally a missing browser skips; in CI (scripts/test.sh installs it) it fails."""
-    try:
-        import playwright.async_api  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing (scripts/test.sh installs it with apt)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Any]:
-    _need_browser()
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            await b.close()
+__all__ = ["browser"]  # the fixture
 
 
 async def _ttl_left(page: Any, sid: str) -> float:

@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 from proxy.console_models import ForestPage
 from proxy.hints import Hint
 from proxy.runtime import RUNTIME
 from tests.helpers.redis_server import RedisServer
-from tests.integration.proxy_fixtures import ADMIN_HEADERS, proxy_stack
+from tests.integration.console_fixtures import browser
+from tests.integration.proxy_fixtures import ADMIN, ADMIN_HEADERS, proxy_stack
+
+__all__ = ["browser"]  # the fixture
 
 TREES, FANOUT = 1000, 9  # 1,000 leads with 9 workers each: 10,000 sessions
 
 
 async def test_forest_pages_and_searches_10k_sessions(
-    redis_server: RedisServer, namespace: str, tmp_path: Path
+    redis_server: RedisServer, namespace: str, tmp_path: Path, browser: Any
 ) -> None:
     async with proxy_stack(redis_server.url, namespace) as st:
         store = st.client.app[RUNTIME].store
@@ -62,3 +66,26 @@ async def test_forest_pages_and_searches_10k_sessions(
         print(
             f"forest at 10k sessions: cold {cold:.3f} s, page 20 {warm:.3f} s, search {search:.3f} s"
         )
+
+        # the page: one page of trees at a time, the next page and a search from the server
+        page = await browser.new_page(viewport={"width": 1400, "height": 900})
+        started = time.perf_counter()
+        await page.goto(str(st.client.make_url("/ui/")) + f"#token={ADMIN}")
+        await page.wait_for_function(
+            "document.getElementById('pageinfo').textContent.includes('of 1,000')"
+        )
+        shown = time.perf_counter() - started
+        assert await page.locator('tr.node[data-depth="0"]').count() == 50
+        assert await page.locator("tr.node").count() == 500
+        await page.click("#next")
+        await page.wait_for_function(
+            "document.getElementById('pageinfo').textContent.startsWith('trees 51')"
+        )
+        await page.fill("#search", "w-123-4")
+        await page.wait_for_selector("tr.node.matched")
+        assert await page.eval_on_selector_all(
+            'tr.node[data-depth="0"]', "els => els.map(e => e.dataset.sid)"
+        ) == ["lead-123"]
+        await page.screenshot(path=str(tmp_path / "console-10k.png"))
+        assert shown < 10.0, shown
+        print(f"console page at 10k sessions shown in {shown:.2f} s")

@@ -199,6 +199,9 @@ async def free_session(
     if rt.retention is not None:
         for gone in freed:
             rt.retention.forget(tenant, gone)
+    if rt.longterm is not None:
+        for gone in freed:
+            await rt.longterm.release(tenant, gone)
     return web.json_response(text=Freed(freed=freed).model_dump_json())
 
 

@@ -23,6 +23,7 @@ from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
 from proxy.errors import error_middleware
+from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
@@ -132,18 +133,25 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         watching = asyncio.create_task(
             watch(pool, store_watch, settings.health_interval_s, stopping)
         )
+        sweeps: asyncio.Task[None] | None = None
         if settings.retention.enabled:
             rt.retention = build_retention(settings, store, pool, metrics)
             await rt.retention.start()
             if edits is None:
                 rt.edits = SessionOps(store, rt.retention, metrics, settings.limits.max_ttl_s)
+            if any(es.tier is not None for es in rt.retention.engines.values()):
+                rt.longterm = LongRetention(store, rt.retention.engines, metrics)
+                sweeps = asyncio.create_task(rt.longterm.run())
+                if isinstance(rt.edits, SessionOps):
+                    rt.edits.longterm = rt.longterm
         try:
             yield
         finally:
             stopping.set()
-            for task in (health, watching):
+            background = [health, watching, *([sweeps] if sweeps is not None else [])]
+            for task in background:
                 task.cancel()
-            await asyncio.wait([health, watching], timeout=5)
+            await asyncio.wait(background, timeout=5)
             if rt.retention is not None:
                 await rt.retention.stop()
             await rt.drain()

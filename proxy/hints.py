@@ -27,6 +27,7 @@ from proxy.errors import BadRequest
 from proxy.settings import Limits
 
 RFC_MAX_TTL = 3600.0
+LONG_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
 ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
 ANTHROPIC_MAX_BREAKPOINTS = 4
 # Cheap pre-check: a body without these bytes carries no body hint and is never parsed.
@@ -95,6 +96,9 @@ class Hint:
     ttl_s: float | None = None  # None: no protection asked; 0: stop protecting
     block_offset: int | None = None
     retention: Retention = "default"
+    # retention asked for beyond the GPU's cap (limits.max_ttl_s), up to limits.max_retain_s:
+    # kept in the engine's offload tier (proxy/longterm.py)
+    retain_s: float | None = None
     manage_request: bool = False
     edits: tuple[Edit, ...] = ()
     dialects: tuple[str, ...] = ()
@@ -196,8 +200,9 @@ class _Draft:
                 f"at most {self.limits.max_edits} edits per request",
                 "agent_hint.context_management.edits",
             )
-        ttl = self.ttl
+        ttl, retain = self.ttl, None
         if ttl is not None and ttl > self.limits.max_ttl_s:
+            retain = min(ttl, self.limits.max_retain_s)
             ttl = self.limits.max_ttl_s
             self.notes.append("ttl_capped")
         return Hint(
@@ -207,6 +212,7 @@ class _Draft:
             ttl_s=ttl,
             block_offset=self.block_offset,
             retention=self.retention,
+            retain_s=retain,
             manage_request=self.manage,
             edits=tuple(self.edits),
             dialects=tuple(self.dialects),
@@ -275,7 +281,9 @@ def _openai(draft: _Draft, body: dict[str, Any]) -> None:
             raise _fail(
                 'prompt_cache_retention must be "in_memory" or "24h"', "prompt_cache_retention"
             )
-        draft.set_ttl(draft.limits.default_ttl_s if retention == "in_memory" else RFC_MAX_TTL, "")
+        draft.set_ttl(
+            draft.limits.default_ttl_s if retention == "in_memory" else LONG_RETENTION_S, ""
+        )
         if retention == "24h":
             draft.retention = "extended"
 

@@ -194,6 +194,12 @@ class Metrics:
             registry=r,
         )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
+        self.long_retention = Counter(
+            "kvkeeper_long_retention",
+            "Retention beyond the GPU cap kept in the offload tier (proxy/longterm.py), by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.tier_pinned_sessions = Gauge(
             "kvkeeper_tier_pinned_sessions",
             "Protected sessions pinned in the engine's offload tier",

@@ -22,6 +22,7 @@ from policy.anchors import common_prefix
 from proxy.context import decode_context
 from proxy.edits import EditResult
 from proxy.hints import Edit
+from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.retention import EngineState, Retention
 from proxy.store import Session, SessionStore, StoreDown
@@ -37,6 +38,7 @@ class SessionOps:
         self.retention = retention
         self.metrics = metrics
         self.max_ttl_s = max_ttl_s
+        self.longterm: LongRetention | None = None  # set when an engine has an offload tier
 
     async def apply(
         self, tenant: str, session_id: str, edits: tuple[Edit, ...]
@@ -109,6 +111,8 @@ class SessionOps:
         detail: dict[str, Any] = {
             "protection": "released" if start == 0 else "kept_below_block_start"
         }
+        if start == 0 and self.longterm is not None and await self.longterm.release(tenant, sid):
+            detail["long_retention"] = "released"
         if es.tier is not None:
             tokens = await self._tokens(es, session, edit)
             if tokens:

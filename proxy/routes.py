@@ -365,6 +365,15 @@ def _after(
             )
     if hint.edits:
         rt.spawn(_apply_edits(rt, tenant, hint))
+    if hint.retain_s and rt.longterm is not None:
+        rt.spawn(_retain_long(rt, tenant, hint.session_id, engine.name, hint.retain_s))
+
+
+async def _retain_long(rt: Runtime, tenant: str, sid: str, engine: str, retain_s: float) -> None:
+    """Retention beyond the GPU cap: pin the context in the offload tier once it is recorded."""
+    assert rt.longterm is not None
+    await rt.settle()
+    await rt.longterm.retain(tenant, sid, engine, retain_s)
 
 
 async def _apply_edits(rt: Runtime, tenant: str, hint: Hint) -> None:

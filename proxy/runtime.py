@@ -35,6 +35,7 @@ from proxy.upstream import Engine, EnginePool
 
 if TYPE_CHECKING:
     from proxy.completions import CompletionWriter
+    from proxy.longterm import LongRetention
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
@@ -60,6 +61,7 @@ class Runtime:
     store: SessionStore | None
     edits: EditExecutor = field(default_factory=UnsupportedEdits)
     retention: Retention | None = None
+    longterm: LongRetention | None = None  # retention beyond the GPU cap (proxy/longterm.py)
     completions: CompletionWriter | None = None
     dispatch: DispatchGate | None = None
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prompt chunks sent per engine

@@ -72,6 +72,8 @@ class Limits(BaseModel):
 
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_ttl_s: float = Field(default=3600.0, gt=0)
+    # retention beyond max_ttl_s (prompt_cache_retention "24h") is kept in the offload tier
+    max_retain_s: float = Field(default=24 * 3600.0, gt=0)
     default_ttl_s: float = Field(default=300.0, ge=0)  # prompt_cache_retention=in_memory
     max_edits: int = Field(default=16, gt=0)
     max_sessions_per_tenant: int = Field(default=10_000, gt=0)

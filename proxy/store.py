@@ -138,6 +138,16 @@ _BRIEF = (
     "parent",
     "last_prompt_tokens",
 )
+# claim a long-retention pin (proxy/longterm.py): KEYS deadlines, pins; ARGV member, before|''
+_CLAIM_LONG_PIN = """
+local due = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not due then return false end
+if ARGV[2] ~= '' and tonumber(due) > tonumber(ARGV[2]) then return false end
+local payload = redis.call('HGET', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return payload or false
+"""
 _SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease", "protected")
 
 
@@ -474,6 +484,65 @@ class SessionStore:
             tenant, _, sid = _text(member).partition(SEP)
             out[(tenant, sid)] = payload if isinstance(payload, bytes) else payload.encode()
         return out
+
+    # --- retention beyond the GPU cap, pinned in the offload tier (proxy/longterm.py) ----------
+    @property
+    def long_deadlines_key(self) -> str:
+        return f"{self.ns}:long:dl"
+
+    @property
+    def long_pins_key(self) -> str:
+        return f"{self.ns}:long:pins"
+
+    async def save_long_pin(self, tenant: str, sid: str, until: float, payload: bytes) -> None:
+        """Record a long-retention pin and its deadline (replacing the session's previous one)."""
+        member = self._member(tenant, sid)
+
+        async def op() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self.long_pins_key, member, payload)
+                pipe.zadd(self.long_deadlines_key, {member: until})
+                await pipe.execute()
+
+        await self._call(op)
+
+    async def long_pin(self, tenant: str, sid: str) -> tuple[float, bytes] | None:
+        """(deadline, payload) of the session's long-retention pin, if it has one."""
+        member = self._member(tenant, sid)
+
+        async def op() -> tuple[float, bytes] | None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zscore(self.long_deadlines_key, member)
+                pipe.hget(self.long_pins_key, member)
+                until, payload = await pipe.execute()
+            if until is None or payload is None:
+                return None
+            return float(until), payload if isinstance(payload, bytes) else payload.encode()
+
+        return await self._call(op)
+
+    async def long_pins_due(self, now: float, limit: int = 256) -> list[tuple[str, str]]:
+        """(tenant, sid) of long-retention pins whose deadline has passed."""
+        raw = await self._call(
+            lambda: self.redis.zrangebyscore(
+                self.long_deadlines_key, "-inf", now, start=0, num=limit
+            )
+        )
+        pairs = (_text(m).split(SEP, 1) for m in raw)
+        return [(p[0], p[1]) for p in pairs if len(p) == 2]
+
+    async def claim_long_pin(
+        self, tenant: str, sid: str, before: float | None = None
+    ) -> bytes | None:
+        """Take the session's long-retention pin off the ledger (with ``before``: only if its
+        deadline has passed by then); its payload when this call took it, so exactly one
+        replica releases each pin."""
+        keys = [self.long_deadlines_key, self.long_pins_key]
+        args = [self._member(tenant, sid), "" if before is None else repr(before)]
+        raw = await self._call(lambda: self.redis.eval(_CLAIM_LONG_PIN, 2, *keys, *args))
+        if not raw:
+            return None
+        return raw if isinstance(raw, bytes) else str(raw).encode()
 
     async def lease(self, name: str, holder: str, ttl_ms: int) -> int:
         """Acquire/renew the lease ``name``: the fencing token while held, else 0."""

@@ -93,7 +93,9 @@ def test_openai_dialect_and_retention_classes() -> None:
     assert out.hint.retention == "default"
     assert json.loads(out.body) == CHAT
     long = parse({**CHAT, "prompt_cache_key": "conv-9", "prompt_cache_retention": "24h"}).hint
+    # the GPU keeps it for its cap; the rest of the day is kept in the offload tier
     assert long is not None and long.retention == "extended" and long.ttl_s == 3600.0
+    assert long.retain_s == 24 * 3600.0 and out.hint.retain_s is None
     only_key = parse({**CHAT, "prompt_cache_key": "k"}).hint
     assert only_key is not None and only_key.ttl_s is None
 
@@ -158,6 +160,12 @@ def test_ttl_above_configured_cap_is_capped_and_noted() -> None:
         limits=Limits(max_ttl_s=600, default_ttl_s=60),
     ).hint
     assert h is not None and h.ttl_s == 600 and h.notes == ("ttl_capped",)
+    assert h.retain_s == 3000  # beyond the GPU's cap: asked of the offload tier
+    capped = parse(
+        {**CHAT, "prompt_cache_key": "k", "prompt_cache_retention": "24h"},
+        limits=Limits(max_ttl_s=600, max_retain_s=7200),
+    ).hint
+    assert capped is not None and (capped.ttl_s, capped.retain_s) == (600, 7200)
 
 
 def test_manage_request() -> None:

@@ -28,7 +28,7 @@ def _is_prefix(a: list[int], b: list[int]) -> bool:
     return b[: len(a)] == a
 
 
-@pytest.mark.parametrize("name", ["swarm", "fanout", "multiturn"])
+@pytest.mark.parametrize("name", ["swarm", "fanout", "multiturn", "cachescout"])
 def test_same_seed_same_workload_other_seed_differs(name: str) -> None:
     a, b = build_workload(name, {"seed": 3}), build_workload(name, {"seed": 3})
     c = build_workload(name, {"seed": 4})
@@ -62,6 +62,36 @@ def test_swarm_history_grows_within_a_session() -> None:
                 cur.prompt_tokens - cur.prompt[0].n_tokens
                 > prev.prompt_tokens - prev.prompt[0].n_tokens
             )
+
+
+def test_cachescout_matches_its_evaluation_setting() -> None:
+    """Six agents, supervisor between dispatches, 16-token blocks, a ~93-block largest request,
+    fixed three-part agent contexts, and each agent's own view growing by prefix."""
+    wl = build_workload("cachescout", {})
+    assert wl.block_tokens == 16
+    calls = list(wl.calls())
+    assert {c.agent for c in calls} == {
+        "supervisor", "researcher", "coder", "analyst", "writer", "reviewer",
+    }  # fmt: skip
+    assert 85 <= max(c.prompt_tokens for c in calls) / 16 <= 100
+    heads: dict[str, tuple[Segment, ...]] = {}
+    for call in calls:
+        head = call.prompt[:3]
+        assert [seg.namespace.rsplit("/", 1)[1] for seg in head] == ["system", "tools", "fewshot"]
+        assert heads.setdefault(str(call.agent), head) == head  # one fixed context per agent
+    for s in wl.sessions:
+        steps = [c for c in s.steps if isinstance(c, Call)]
+        assert steps[0].agent == steps[-1].agent == "supervisor"
+        assert steps[-1].stop == "end_turn"
+        last: dict[str, Call] = {}
+        for prev, cur in itertools.pairwise(steps):
+            # the supervisor routes every dispatch (an agent may call twice, a tool between)
+            assert prev.agent == cur.agent or "supervisor" in (prev.agent, cur.agent)
+        for cur in steps:  # an agent's (or the supervisor's) next call extends its last prompt
+            before = last.get(str(cur.agent))
+            if before is not None:
+                assert cur.prompt[: len(before.prompt)] == before.prompt
+            last[str(cur.agent)] = cur
 
 
 def test_fanout_workers_share_the_leaders_context() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from openapi_spec_validator import validate
+from yarl import URL
 
 from proxy.console_models import ConsoleEngines, ForestPage
 from tests.helpers.redis_server import RedisServer
@@ -148,7 +149,9 @@ async def test_openapi_describes_the_console_and_validates(
             assert resp.status == 200, path
             text = await resp.text()
             assert "http://" not in text and "https://" not in text, path
-        assert (await st.client.get("/ui/../app.py")).status == 404
+        for bad in ("/ui/.hidden.js", "/ui/console.py", "/ui/%2E%2E%2Fapp.py"):
+            resp = await st.client.get(URL(bad, encoded=True))
+            assert resp.status == 404, bad  # only the console's own files, never a path out
         assert (await st.client.get("/ui/nope.js")).status == 404
         resp = await st.client.get("/ui", allow_redirects=False)
         assert resp.status == 302 and resp.headers["Location"] == "/ui/"

@@ -26,7 +26,7 @@ from proxy.passthrough import previous_response_id, remember_response, response_
 from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
-from proxy.usage import UsageSniffer
+from proxy.usage import UsageSniffer, ask_for_usage
 
 log = logging.getLogger("kvkeeper.routes")
 
@@ -150,7 +150,10 @@ async def _forward(
         rt.prefixes.insert(order[0].name, chain)
     try:
         sent_at = time.perf_counter()
-        engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, body)
+        # a stream that did not ask for usage asks for it here (dropped again on the way back)
+        with_usage = ask_for_usage(route, body, None)
+        sent = body if with_usage is None else with_usage
+        engine, upstream = await rt.pool.open(order, request.method, request.path_qs, headers, sent)
         rt.metrics.child(rt.metrics.engine_requests, engine.name).inc()
         info.engine = engine.name
         if prefill is not None and engine is not order[0]:  # failed over
@@ -178,6 +181,7 @@ async def _forward(
                 code="upstream_error",
             )
         sniffer = UsageSniffer(upstream.content_type, upstream.headers.get("Content-Encoding"))
+        sniffer.strip_usage = with_usage is not None and sniffer.sse and sniffer.enabled
         if gate is not None and ticket is not None:
             sniffer.on_first_byte.append(functools.partial(gate.started, ticket))
         if prefill is not None:
@@ -299,11 +303,13 @@ async def pump_stream(
         except (aiohttp.ClientError, TimeoutError) as exc:
             return exc
         if not chunk:
+            if rest := sniffer.relay_rest():
+                await stream.write(rest)
             return None
         if sniffer.first_byte_at is None:
             sniffer.mark_first_byte()
-        sniffer.feed(chunk)
-        await stream.write(chunk)
+        if out := sniffer.relay(chunk):
+            await stream.write(out)
 
 
 async def end_broken_stream(

@@ -8,6 +8,7 @@ and in SSE streams. Only lines that mention ``"usage"`` are parsed.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,35 @@ from proxy import jsonio
 from proxy.store import Usage
 
 _MAX_JSON_BODY = 8 * 1024 * 1024  # non-stream bodies larger than this are not inspected
+# OpenAI-style routes whose streams carry usage only when asked (stream_options.include_usage)
+USAGE_OPTIONAL_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+
+
+def ask_for_usage(route: str, body: bytes, parsed: dict[str, Any] | None) -> bytes | None:
+    """A streamed chat/completions request that did not ask for usage, with
+    ``stream_options.include_usage`` added (so its session's counters can be kept), else None.
+
+    The option goes in as bytes after the opening brace: the rest of the body is sent as the
+    client wrote it. Requests that set ``stream_options`` themselves are left alone. The relay
+    then drops the one extra usage chunk (:class:`UsageSniffer` ``strip_usage``), so the client
+    receives what the engine would have sent it without the option."""
+    if route not in USAGE_OPTIONAL_ROUTES or _STREAM_TRUE.search(body) is None:
+        return None
+    if b'"stream_options"' in body:
+        return None
+    if parsed is None:  # "stream": true may be a nested key: only the top level counts
+        try:
+            parsed = jsonio.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(parsed, dict) or parsed.get("stream") is not True:
+        return None
+    start = body.find(b"{")
+    if start < 0 or not body[start + 1 :].strip().startswith(b'"'):
+        return None
+    return body[: start + 1] + _INCLUDE_USAGE + body[start + 1 :]
 
 
 def _int(value: Any) -> int:
@@ -74,6 +104,17 @@ def _find_usage(event: Any) -> Any:
     return None
 
 
+def _usage_only(event: bytes) -> bool:
+    """An SSE event that carries usage and no choices (the include_usage chunk)."""
+    if b'"usage"' not in event or not event.startswith(b"data:"):
+        return False
+    try:
+        data = jsonio.loads(event[5:])
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("choices") == [] and bool(data.get("usage"))
+
+
 class UsageSniffer:
     """Feed it the response chunks as they pass; ask for ``usage`` at the end."""
 
@@ -83,6 +124,9 @@ class UsageSniffer:
         self._buf = bytearray()
         self.usage: Usage | None = None
         self.response_id: str | None = None  # a Responses API answer's id (its stored id)
+        # drop the usage-only chunk kvkeeper asked for (``ask_for_usage``) from what is relayed
+        self.strip_usage = False
+        self._held = bytearray()  # relayed bytes held until their SSE event is complete
         self.first_byte_at: float | None = None
         self.on_first_byte: list[Callable[[], None]] = []  # called once, at the first byte
 
@@ -123,6 +167,33 @@ class UsageSniffer:
         found = normalize(_find_usage(event))
         if found is not None:
             self.usage = _merge(self.usage, found)
+
+    def relay(self, chunk: bytes) -> bytes:
+        """Feed a chunk; returns the bytes to send to the client (the chunk itself, or with
+        ``strip_usage`` the complete events in it less the usage-only one)."""
+        self.feed(chunk)
+        if not self.strip_usage:
+            return chunk
+        self._held += chunk
+        end = self._held.rfind(b"\n\n")
+        if end < 0:
+            return b""
+        complete = bytes(self._held[: end + 2])
+        del self._held[: end + 2]
+        if b'"usage"' not in complete:
+            return complete
+        events = complete.split(b"\n\n")
+        kept = [e for e in events[:-1] if not _usage_only(e)]
+        if len(kept) == len(events) - 1:
+            return complete
+        self.strip_usage = False  # the one extra chunk is gone: the rest passes as it comes
+        return b"".join(e + b"\n\n" for e in kept) + self.relay_rest()
+
+    def relay_rest(self) -> bytes:
+        """What :meth:`relay` still holds when the body ends (an unterminated last event)."""
+        rest = bytes(self._held)
+        self._held.clear()
+        return rest
 
     def _response_id(self, event: dict[str, Any]) -> None:
         """A Responses body (``object: response``) or stream event (``response.completed``)."""

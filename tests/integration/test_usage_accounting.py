@@ -1,0 +1,60 @@
+"""Accounting whatever the client asks: streams without include_usage still count their usage,
+and the client receives exactly the engine's answer to what it sent."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "count me " * 40}]}
+
+
+async def _direct(url: str, path: str, body: dict[str, Any]) -> bytes:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return await r.read()
+
+
+async def _counters(st: Stack, sid: str) -> dict[str, int]:
+    for _ in range(100):  # completions are written off the hot path
+        resp = await st.client.get(f"/admin/sessions/{sid}", headers=ADMIN_HEADERS)
+        if resp.status == 200:
+            counters: dict[str, int] = (await resp.json())["counters"]
+            if counters.get("prompt_tokens"):
+                return counters
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"session {sid} never counted its usage")
+
+
+async def test_stream_without_include_usage_counts_and_relays_the_engines_bytes(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        for path, body in (
+            ("/v1/chat/completions", {**CHAT, "stream": True}),
+            ("/v1/completions", {"model": "fake-model", "prompt": "abc " * 50, "stream": True}),
+        ):
+            direct = await _direct(st.engine.url, path, body)
+            assert b'"usage"' not in direct
+            st.engine.prompts.clear()
+            sid = f"s{len(path)}"
+            resp = await st.client.post(path, json=body, headers={"X-Session-Id": sid})
+            proxied = await resp.read()
+            st.engine.prompts.clear()
+            assert resp.status == 200 and proxied == direct, path
+            # the engine was asked for usage; the client never sees it
+            sent = st.engine.received[-1].json
+            assert sent["stream_options"] == {"include_usage": True}
+            assert {k: v for k, v in sent.items() if k != "stream_options"} == body
+            counters = await _counters(st, sid)
+            assert counters["prompt_tokens"] > 40 and counters["requests"] == 1
+        # a client that asks for usage itself gets it, untouched
+        asked = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        direct = await _direct(st.engine.url, "/v1/chat/completions", asked)
+        st.engine.prompts.clear()
+        resp = await st.client.post("/v1/chat/completions", json=asked)
+        assert await resp.read() == direct and b'"usage"' in direct

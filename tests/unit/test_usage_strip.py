@@ -1,0 +1,61 @@
+"""Asking a stream for usage and dropping the extra chunk again (proxy/usage.py)."""
+
+from __future__ import annotations
+
+import json
+
+from proxy.usage import UsageSniffer, ask_for_usage
+
+CHAT = "/v1/chat/completions"
+
+
+def test_ask_for_usage_only_for_top_level_streams_without_options() -> None:
+    body = b'{"model":"m","stream":true,"messages":[]}'
+    asked = ask_for_usage(CHAT, body, None)
+    assert asked is not None and json.loads(asked) == {
+        **json.loads(body),
+        "stream_options": {"include_usage": True},
+    }
+    assert asked.endswith(body[1:])  # the client's bytes follow unchanged
+    assert ask_for_usage("/v1/completions", b' {"stream": true, "prompt": "x"}', None)
+    # not streamed, streamed only in a nested object, options of its own, other routes
+    assert ask_for_usage(CHAT, b'{"model":"m","messages":[]}', None) is None
+    nested = b'{"model":"m","tools":[{"stream":true}],"messages":[]}'
+    assert ask_for_usage(CHAT, nested, None) is None
+    own = b'{"stream":true,"stream_options":{"include_usage":false},"messages":[]}'
+    assert ask_for_usage(CHAT, own, None) is None
+    assert ask_for_usage("/v1/messages", body, None) is None
+    assert ask_for_usage("/v1/responses", body, None) is None
+
+
+def _stream(with_usage: bool) -> bytes:
+    chunks = [
+        {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}}]},
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "usage"}}]},
+    ]
+    if with_usage:
+        usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                 "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
+        chunks.append({"id": "c", "choices": [], "usage": usage})
+    out = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return out + b"data: [DONE]\n\n"
+
+
+def test_strip_usage_chunk_whatever_the_chunking() -> None:
+    engine, client = _stream(True), _stream(False)
+    for size in (1, 3, 7, 64, len(engine)):
+        sniffer = UsageSniffer("text/event-stream", None)
+        sniffer.strip_usage = True
+        out = (
+            b"".join(sniffer.relay(engine[i : i + size]) for i in range(0, len(engine), size))
+            + sniffer.relay_rest()
+        )
+        assert out == client, size
+        usage = sniffer.finish()
+        assert usage is not None and (usage.prompt_tokens, usage.cached_tokens) == (40, 32)
+
+
+def test_without_strip_everything_passes() -> None:
+    engine = _stream(True)
+    sniffer = UsageSniffer("text/event-stream", None)
+    assert sniffer.relay(engine) == engine and sniffer.relay_rest() == b""

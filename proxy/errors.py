@@ -14,6 +14,7 @@ Exception tree::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -79,13 +80,44 @@ class UpstreamError(ApiError):
         self.status = status
 
 
-def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_ROUTES = ("/v1/messages",)  # and below it (/v1/messages/count_tokens)
+
+
+def anthropic_body(err: ApiError) -> dict[str, Any]:
+    """The error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    default = "api_error" if err.status >= 500 else "invalid_request_error"
+    kind = _ANTHROPIC_TYPES.get(err.status, default)
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in ANTHROPIC_ROUTES)
+
+
+def error_response(err: ApiError, *, anthropic: bool = False) -> web.Response:
+    """The error in the client's dialect: Anthropic's shape on its routes, else OpenAI's."""
+    return web.json_response(anthropic_body(err) if anthropic else err.body(), status=err.status)
+
+
+_in_dialect = error_response
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The single place where exceptions become HTTP answers."""
+    # every answer below in the dialect of the route (a local name: one rule for every branch)
+    error_response = functools.partial(_in_dialect, anthropic=is_anthropic(request.path))
     try:
         return await handler(request)
     except ApiError as err:

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.redis_server import RedisServer, free_port
 from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "count me " * 40}]}
@@ -58,3 +58,32 @@ async def test_stream_without_include_usage_counts_and_relays_the_engines_bytes(
         st.engine.prompts.clear()
         resp = await st.client.post("/v1/chat/completions", json=asked)
         assert await resp.read() == direct and b'"usage"' in direct
+
+
+async def test_errors_on_messages_routes_are_anthropic_shaped(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    msg = {"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    bad_hint = {**msg, "agent_hint": {"session_id": 5}}
+    async with proxy_stack(redis_server.url, namespace) as st:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            resp = await st.client.post(path, json=bad_hint)
+            assert resp.status == 400
+            body = await resp.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+            assert "session_id" in body["error"]["message"] and set(body["error"]) == {
+                "type",
+                "message",
+            }
+        # the OpenAI routes keep the OpenAI shape
+        resp = await st.client.post("/v1/chat/completions", json={**CHAT, **bad_hint})
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_hint"
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with proxy_stack(
+        redis_server.url, namespace, n_engines=0, extra_engine_urls=[dead]
+    ) as st:
+        resp = await st.client.post("/v1/messages", json=msg)
+        assert resp.status == 502
+        body = await resp.json()
+        assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        assert "no engine" in body["error"]["message"]

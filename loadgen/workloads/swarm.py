@@ -1,4 +1,4 @@
-"""``swarm``: a supervisor dispatching to specialised agents (the CacheScout setting, seeds/004).
+"""``swarm``: a supervisor dispatching to specialised agents (the CacheScout setting).
 
 Every agent has a fixed anchor (system prompt + tool definitions) that starts each of its calls,
 so anchors are reused across all user sessions. A user session starts at the supervisor; each

@@ -619,3 +619,29 @@ def test_chart_and_compose_give_vllm_the_same_kvkeeper_flags() -> None:
         assert [a for a in chart_args if a.startswith(flag)] == [
             a for a in compose_args if a.startswith(flag)
         ]
+
+
+def test_compose_prometheus_and_grafana_load_the_repo_files() -> None:
+    cfg = compose_config("docker-compose.yml")
+    mounts = {
+        svc: {v["target"]: v.get("source", "") for v in cfg["services"][svc]["volumes"]}
+        for svc in ("prometheus", "grafana")
+    }
+    prom_file = Path(mounts["prometheus"]["/etc/prometheus/prometheus.yml"])
+    assert prom_file == DEPLOY / "prometheus" / "prometheus.yml"
+    prom = yaml.safe_load(prom_file.read_text())
+    rules_target = next(t for t, s in mounts["prometheus"].items() if Path(s) == ALERTS)
+    assert Path(rules_target).match(prom["rule_files"][0])
+    jobs = {j["job_name"]: j["static_configs"][0] for j in prom["scrape_configs"]}
+    assert jobs["kvkeeper"]["targets"] == ["kvkeeper:8000"]
+    # vLLM's series carry the engine name kvkeeper uses, so panels can join them per engine
+    engine = _compose_settings(cfg)["engines"][0]
+    assert jobs["vllm"]["targets"] == ["vllm:8000"]
+    assert jobs["vllm"]["labels"]["engine"] == engine["name"]
+    grafana = mounts["grafana"]
+    dash_target = next(t for t, s in grafana.items() if Path(s) == DASHBOARD)
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvkeeper.yml").read_text()
+    )
+    assert Path(dash_target).parent == Path(provider["providers"][0]["options"]["path"])
+    assert Path(grafana["/etc/grafana/provisioning"]) == DEPLOY / "grafana" / "provisioning"

@@ -326,8 +326,15 @@ async def test_dashboard_and_alerts_name_only_exported_metrics(
         "kvkeeper_tier_pinned_sessions",
         "vllm:prefix_cache_hits_total",
         "kvkeeper_ttft_seconds_bucket",
+        "kvkeeper_engine_cached_tokens_total",
+        "kvkeeper_redis_up",
+        "kvkeeper_hash_check",
+        "process_resident_memory_bytes",
     ):
         assert needed in dash
+    alerts = " ".join(alert_exprs())
+    for needed in ("kvkeeper_redis_up", "kvkeeper_hash_check", "kvkeeper_engine_up"):
+        assert needed in alerts
 
 
 def test_metric_name_extraction_catches_typos() -> None:

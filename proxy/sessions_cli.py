@@ -291,7 +291,7 @@ def show_text(s: dict[str, Any], now: float) -> str:
 
 
 def engine_rows(engines: list[dict[str, Any]], now: float) -> str:
-    header = ["ENGINE", "URL", "HEALTHY", "INFLIGHT", "MODELS", "EVENTS", "MODE", "HORIZON"]
+    header = ["ENGINE", "URL", "HEALTHY", "INFLIGHT", "MODELS", "EVENTS", "HASH", "MODE", "HORIZON"]
     header += ["RESIDENT", "TIER_PINNED", "CREDIT_TOKENS", "CHECKED", "LAST_ERROR"]
     rows = []
     for e in engines:
@@ -300,18 +300,18 @@ def engine_rows(engines: list[dict[str, Any]], now: float) -> str:
         resident = r.get("resident_blocks") or {}
         pinned = r.get("tier_pinned")
         overhead = r.get("overhead") or {}
+        # the block-hash self-check: ok, mismatch (residency tracking off), pending, no_events
         hash_check = e.get("hash_check")
-        healthy = "yes" if e.get("healthy") else "no"
-        if isinstance(hash_check, dict) and hash_check.get("status") not in (None, "ok"):
-            healthy += f" (hash {hash_check.get('status')})"
+        hashes = hash_check.get("status") if isinstance(hash_check, dict) else None
         rows.append(
             [
                 str(e.get("name")),
                 str(e.get("url")),
-                healthy,
+                "yes" if e.get("healthy") else "no",
                 str(e.get("inflight", 0)),
                 ",".join(e.get("models") or []) or "-",
                 "yes" if e.get("events") else "no",
+                str(hashes or "-"),
                 str(r.get("mode") or "-"),
                 "-" if horizon is None else f"{float(horizon):.0f}s",
                 " ".join(f"{m}={n}" for m, n in resident.items()) or "-",

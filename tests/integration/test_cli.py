@@ -205,7 +205,8 @@ async def test_show_operations_and_engines_against_the_simulator(
         header, row_line = out.splitlines()[:2]
         assert header.split()[:4] == ["ENGINE", "URL", "HEALTHY", "INFLIGHT"]
         cells = row_line.split()
-        assert cells[:3] == [name, st.sim.url, "yes"] and cells[5:7] == ["yes", "events"]
+        assert cells[:3] == [name, st.sim.url, "yes"] and (cells[5], cells[7]) == ("yes", "events")
+        assert header.split()[6] == "HASH"
         assert re.search(r"GPU=\d+", row_line) and "chunks=" in row_line
         code, out, _ = await cli("engines", "--json")
         assert json.loads(out)["data"][0]["retention"]["offload_tier"] is True
@@ -225,3 +226,29 @@ def test_help_texts_name_defaults_and_version(capsys: pytest.CaptureFixture[str]
         with pytest.raises(SystemExit):
             main(argv)
         assert needle in " ".join(capsys.readouterr().out.split())
+
+
+def test_engines_table_shows_the_hash_check_and_tier_pins() -> None:
+    from proxy.sessions_cli import engine_rows
+
+    row = {
+        "name": "e0",
+        "url": "http://e0:8000",
+        "healthy": True,
+        "inflight": 2,
+        "models": ["m"],
+        "events": "tcp://e0:5557",
+        "hash_check": {"status": "mismatch", "detail": "0 of 4 blocks", "checked_at": 1.0},
+        "retention": {
+            "mode": "feedback",
+            "horizon_s": None,
+            "resident_blocks": {},
+            "tier_pinned": {"sessions": 3, "chunks": 21, "capacity_chunks": None},
+            "overhead": {"credit_tokens": 812.4},
+        },
+    }
+    lines = engine_rows([row, {**row, "name": "e1", "hash_check": None}], 0.0).splitlines()
+    assert lines[1].split()[:9] == ["e0", "http://e0:8000", "yes", "2", "m", "yes", "mismatch",
+                                    "feedback", "-"]  # fmt: skip
+    assert "sessions=3 chunks=21" in lines[1] and "capacity" not in lines[1] and "812" in lines[1]
+    assert lines[2].split()[6] == "-"

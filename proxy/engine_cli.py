@@ -288,8 +288,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add ``engine up|down|status``."""
     parser = subparsers.add_parser("engine", help="local vLLM-on-CPU engine (dev and tests)")
     sub = parser.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
-    up = sub.add_parser("up", help="install once, start, wait until ready")
-    up.add_argument("--port", type=int, default=8100)
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # every option's help names its default
+    up = sub.add_parser(
+        "up", help="install once, start, wait until ready", formatter_class=defaults
+    )
+    up.add_argument("--port", type=int, default=8100, help="HTTP port")
     up.add_argument("--num-blocks", type=int, default=200, help="KV pool size in blocks")
     up.add_argument("--events-port", type=int, default=5557, help="ZMQ PUB port; 0 disables")
     up.add_argument("--replay-port", type=int, default=0, help="ZMQ replay port; 0 disables")
@@ -300,6 +303,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ("down", _down, "stop by PID"),
         ("status", _status, "is it up (any engine kvkeeper routes to: `kvkeeper engines`)"),
     ):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--port", type=int, default=8100, help="its port (default: %(default)s)")
+        p = sub.add_parser(name, help=text, formatter_class=defaults)
+        p.add_argument("--port", type=int, default=8100, help="its HTTP port")
         p.set_defaults(func=func)

@@ -222,6 +222,7 @@ def test_help_texts_name_defaults_and_version(capsys: pytest.CaptureFixture[str]
         (["sessions", "list", "--help"], "(default: 50)"),
         (["sessions", "pin", "--help"], "(default: the session's TTL)"),
         (["engines", "--help"], "(default: $KVKEEPER_URL or http://127.0.0.1:8000)"),
+        (["engine", "up", "--help"], "KV pool size in blocks (default: 200)"),
     ):
         with pytest.raises(SystemExit):
             main(argv)

@@ -171,7 +171,7 @@ async def session_operation(
 
 
 async def _json_params(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
+    if not request.body_exists:
         return {}
     try:
         body = jsonio.loads(await request.read())

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from redis.asyncio import Redis
 
 from adapters.base import CacheConfig
@@ -22,7 +24,12 @@ from proxy.console import add_console_routes
 from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
-from proxy.errors import error_middleware
+from proxy.errors import (
+    PayloadTooLarge,
+    RequestTimeout,
+    ServerBusy,
+    error_middleware,
+)
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
@@ -30,7 +37,7 @@ from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.retention import EngineState, Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
-from proxy.settings import Settings
+from proxy.settings import Limits, Settings
 from proxy.store import SessionStore
 from proxy.upstream import EnginePool, make_client
 from proxy.watch import StoreWatch, redacted, watch
@@ -89,10 +96,65 @@ def build_retention(
     return Retention(store, states, settings.retention, metrics, pool.client)
 
 
+def server_options(settings: Settings) -> dict[str, Any]:
+    """Options of aiohttp's server for ``run_app`` / ``AppRunner``: a connection that has not
+    sent a complete request line and headers ``header_timeout_s`` after it opened or after its
+    last answer is closed (slowloris); after an answer given with its body unread (413, 408),
+    the rest of the body is read and dropped for 2 s at most before the connection closes."""
+    return {"keepalive_timeout": settings.limits.header_timeout_s, "lingering_time": 2.0}
+
+
+class _BodyBudget:
+    """Request bodies in memory, all requests together, bounded: a body is read only once its
+    declared size (or the per-request cap when chunked) fits the budget."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def middleware(self, limits: Limits) -> Middleware:
+        @web.middleware
+        async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if not request.body_exists:
+                return await handler(request)
+            size = request.content_length
+            if size is not None and size > limits.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"request body is larger than {limits.max_body_bytes} bytes",
+                    code="body_too_large",
+                )
+            need = size if size is not None else limits.max_body_bytes
+            if self.held + need > self.limit:
+                raise ServerBusy(
+                    "too many request bodies in flight; retry shortly", code="server_busy"
+                )
+            self.held += need
+            try:
+                try:
+                    async with asyncio.timeout(limits.body_timeout_s):
+                        await request.read()  # kept by the request: handlers read it again
+                except TimeoutError:
+                    raise RequestTimeout(
+                        f"request body not received within {limits.body_timeout_s:g} s",
+                        code="body_timeout",
+                    ) from None
+                return await handler(request)
+            finally:
+                self.held -= need
+
+        return read_body
+
+
 def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
     """Build the app; resources (client, Redis, workers) start with it and stop with it."""
+    budget = _BodyBudget(settings.limits.max_inflight_body_bytes)
     app = web.Application(
-        middlewares=[access_log, count_requests, error_middleware],
+        middlewares=[
+            access_log,
+            count_requests,
+            error_middleware,
+            budget.middleware(settings.limits),
+        ],
         client_max_size=settings.limits.max_body_bytes,
     )
     metrics = Metrics()

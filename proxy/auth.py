@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from proxy.errors import Unauthorized
+from proxy.errors import Forbidden, Unauthorized
 from proxy.settings import ConfigError
 
 DEFAULT_TENANT = "default"
@@ -48,7 +48,7 @@ class Principal:
         """The tenant a call acts on; a tenant principal can never reach another tenant."""
         if self.tenant is not None:
             if requested not in (None, self.tenant):
-                raise Unauthorized("this API key cannot act on another tenant", code="forbidden")
+                raise Forbidden("this API key cannot act on another tenant", code="forbidden")
             return self.tenant
         return requested or DEFAULT_TENANT
 
@@ -99,6 +99,12 @@ class TenantMap:
         if tenant is None:
             raise Unauthorized("missing or unknown API key", code="invalid_api_key")
         return tenant
+
+    @staticmethod
+    def is_admin(headers: Mapping[str, str], admin_token: str | None) -> bool:
+        """Whether the request carries the operator token."""
+        token = bearer(headers) if admin_token else None
+        return token is not None and hmac.compare_digest(_digest(token), _digest(admin_token or ""))
 
     def principal(self, headers: Mapping[str, str], admin_token: str | None) -> Principal:
         """The caller of an admin route: the operator token, or a tenant's API key."""

@@ -5,7 +5,9 @@ Exception tree::
     ApiError                 an answer kvkeeper gives on purpose (status + OpenAI error body)
     ├── BadRequest           400 invalid_request_error (bad hint, bad JSON, limits)
     ├── Unauthorized         401 authentication_error
+    ├── Forbidden            403 permission_error (a tenant acting on another tenant)
     ├── NotFound             404 not_found_error
+    ├── RequestTimeout       408 (the body did not arrive in time; the connection closes)
     ├── PayloadTooLarge      413 invalid_request_error
     ├── StoreUnavailable     503 (admin calls while Redis is down)
     └── UpstreamError        502/503/504 when no engine could answer
@@ -29,6 +31,7 @@ class ApiError(Exception):
 
     status = 500
     type = "server_error"
+    close = False  # close the connection after the answer (a request body left unread)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -57,6 +60,17 @@ class Unauthorized(ApiError):
     type = "authentication_error"
 
 
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+
+
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+    close = True
+
+
 class NotFound(ApiError):
     status = 404
     type = "not_found_error"
@@ -65,6 +79,12 @@ class NotFound(ApiError):
 class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
+    close = True
+
+
+class ServerBusy(ApiError):
+    status = 503
+    type = "service_unavailable"
 
 
 class StoreUnavailable(ApiError):
@@ -107,7 +127,10 @@ def is_anthropic(path: str) -> bool:
 
 def error_response(err: ApiError, *, anthropic: bool = False) -> web.Response:
     """The error in the client's dialect: Anthropic's shape on its routes, else OpenAI's."""
-    return web.json_response(anthropic_body(err) if anthropic else err.body(), status=err.status)
+    resp = web.json_response(anthropic_body(err) if anthropic else err.body(), status=err.status)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 _in_dialect = error_response
@@ -122,6 +145,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as err:
         return error_response(err)
+    except web.HTTPRequestEntityTooLarge:  # a chunked body grew past the limit while read
+        return error_response(
+            PayloadTooLarge("request body is larger than the limit", code="body_too_large")
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -58,6 +58,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     # a Responses request continuing a stored response runs where that response is stored
     previous = previous_response_id(request.path, parsed.json_body, raw)
     pinned = await response_engine(request, tenant, previous) if previous else None
+    failed = True
     try:
         resp, engine, usage, reg = await _forward(
             rt,
@@ -71,9 +72,12 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             and not _client_priority(request, parsed.json_body, raw),
             pinned=pinned,
         )
+        failed = resp.status >= 400
     finally:
         if registering is not None and not registering.done():
             rt.keep(registering)  # forwarding failed first: let the registration finish
+        if registering is not None and hint is not None and failed:
+            rt.spawn(rt.unregister_failed(tenant, hint, registering))
     response_id = access_info(request).response_id
     if response_id is not None and resp.status < 400:
         remember_response(request, tenant, response_id, engine.name)
@@ -127,6 +131,9 @@ async def _forward(
         if registering is not None and not chain:
             reg = await registering
     order = rt.engine_order(reg.upserted if reg else None, session, chain)
+    if not order:  # no engine ready: check them now (bounded by the check's timeout)
+        await rt.pool.recheck()
+        order = rt.engine_order(reg.upserted if reg else None, session, chain)
     if pinned is not None:  # it must run there (a stored response): placement does not choose
         order = [pinned, *(e for e in order if e is not pinned)]
     gate, ticket = rt.dispatch, None
@@ -172,6 +179,8 @@ async def _forward(
         outcome = None
         if reg is not None:
             outcome = reg.outcome + ("; edits=deferred" if edits else "")
+            if upstream.status >= 400:  # its session is not kept (unregister_failed)
+                outcome = f"rejected; reason=upstream_status_{upstream.status}"
             info.hint = outcome
         if upstream.status >= 400 and "json" not in upstream.content_type:
             detail = (await upstream.read())[:200].decode(errors="replace")
@@ -186,11 +195,14 @@ async def _forward(
             sniffer.on_first_byte.append(functools.partial(gate.started, ticket))
         if prefill is not None:
             sniffer.on_first_byte.append(prefill.release)
+        shown = rt.settings.expose_engines or rt.tenants.is_admin(
+            request.headers, rt.settings.admin_token
+        )
         resp = await _relay(
             request,
             upstream,
             sniffer,
-            engine.name,
+            engine.name if shown else None,
             request_id,
             outcome,
             rt.settings.upstream.stream_stall_timeout_s,
@@ -246,7 +258,7 @@ async def _relay(
     request: web.Request,
     upstream: ClientResponse,
     sniffer: UsageSniffer,
-    engine: str,
+    engine: str | None,
     request_id: str,
     outcome: str | None,
     stall_s: float = 60.0,
@@ -255,7 +267,8 @@ async def _relay(
     engine that fails mid-answer, or stalls ``stall_s`` between chunks, ends it cleanly."""
     headers = response_headers(upstream.headers)
     headers["X-Request-Id"] = request_id
-    headers["X-KVKeeper-Engine"] = engine
+    if engine is not None:  # engine addresses: the admin's (or every caller's, if configured)
+        headers["X-KVKeeper-Engine"] = engine
     if outcome is not None:
         headers[HINT_HEADER] = outcome
     size = upstream.content_length
@@ -276,7 +289,7 @@ async def _relay(
     await stream.prepare(request)
     failure = await pump_stream(stream, upstream, sniffer, stall_s)
     if failure is not None:
-        log.warning("engine %s failed mid-answer: %s", engine, failure)
+        log.warning("engine failed mid-answer (request %s): %s", request_id, failure)
         await end_broken_stream(request, stream, sniffer.sse, failure)
         return stream
     # A client that closes as soon as it has read everything (after "data: [DONE]") makes
@@ -433,7 +446,14 @@ async def readyz(request: web.Request) -> web.Response:
     engines = {e.name: e.healthy for e in rt.pool.engines}
     redis_ok = rt.store is not None and await rt.store.ping()
     ready = any(engines.values())
-    body = {"ready": ready, "engines": engines, "redis": redis_ok}
+    body: dict[str, Any] = {
+        "ready": ready,
+        "engines_ready": sum(engines.values()),
+        "engines_total": len(engines),
+        "redis": redis_ok,
+    }
+    if rt.settings.expose_engines or rt.tenants.is_admin(request.headers, rt.settings.admin_token):
+        body["engines"] = engines
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -140,6 +140,18 @@ class Runtime:
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
         return Registration("accepted" + notes, self._with_buffered(tenant, hint, up))
 
+    async def unregister_failed(
+        self, tenant: str, hint: Hint, registering: asyncio.Task[Registration]
+    ) -> None:
+        """The request failed upstream: a session its registration created is removed again
+        (kept if another request has used it meanwhile)."""
+        reg = await registering
+        if reg.upserted is None or not reg.upserted.created or self.store is None:
+            return
+        with contextlib.suppress(StoreDown):
+            if await self.store.unregister(tenant, hint):
+                self.metrics.child(self.metrics.hint_outcomes, "unregistered", "").inc()
+
     def _with_buffered(self, tenant: str, hint: Hint, up: Upserted) -> Upserted:
         """Newer facts of this process's still-buffered completions override Redis's."""
         if self.completions is None:
@@ -182,7 +194,12 @@ class Runtime:
         and its resident blocks (``policy.routing.route``, with the retention layer), else the
         least loaded engine, round robin on ties.
         """
-        engines = self.pool.engines
+        # an engine its health check found not ready gets no new requests until a check finds
+        # it back (a hung engine would hold them until the read timeout); one that only failed
+        # a connection stays a last resort
+        engines = [e for e in self.pool.engines if e.ready]
+        if not engines:
+            return []
         start = next(self._rr) % len(engines)
         rotated = engines[start:] + engines[:start]
         ranked = sorted(rotated, key=lambda e: (not e.healthy, e.inflight))

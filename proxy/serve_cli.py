@@ -86,7 +86,7 @@ async def _freeze_startup_objects(app: web.Application) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
-        from proxy.app import create_app
+        from proxy.app import create_app, server_options
 
         app = create_app(settings)
     except ConfigError as exc:
@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             host=settings.host,
             port=settings.port,
             handler_cancellation=True,  # a client that goes away cancels its upstream request
+            **server_options(settings),
             access_log=None,  # proxy/access.py logs every request instead
             # printed once the socket is bound (after start-up)
             print=lambda _: print(f"kvkeeper listening on {where} -> {engines}", flush=True),

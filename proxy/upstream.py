@@ -41,6 +41,7 @@ class Engine:
 
     spec: EngineSpec
     healthy: bool = True
+    ready: bool = True  # the last health check's verdict (healthy also follows requests)
     inflight: int = 0
     last_error: str | None = None
     last_check: float = 0.0
@@ -108,6 +109,7 @@ class EnginePool:
         self.by_name = {e.name: e for e in self.engines}
         self.client = client
         self.metrics = metrics
+        self._recheck: asyncio.Future[list[bool]] | None = None
 
     def get(self, name: str | None) -> Engine | None:
         return self.by_name.get(name) if name else None
@@ -136,7 +138,7 @@ class EnginePool:
 
         The chosen engine's ``inflight`` count includes this request; the caller decrements it.
         """
-        last: str = "no engine configured"
+        last: str = "no engine is ready"
         for attempt, engine in enumerate(order):
             engine.inflight += 1  # the caller decrements once the response is relayed
             try:
@@ -160,7 +162,9 @@ class EnginePool:
                 self.mark(engine, True)
             return engine, resp
         raise UpstreamError(
-            f"no engine could take the request ({last})", status=502, code="engine_unavailable"
+            f"no engine could take the request ({last})",
+            status=502 if order else 503,
+            code="engine_unavailable",
         )
 
     async def check(self, engine: Engine) -> bool:
@@ -172,18 +176,28 @@ class EnginePool:
                 ) as resp:
                     await resp.read()
                     if resp.status == 200:
+                        engine.ready = True
                         self.mark(engine, True)
                         engine.last_check = time.time()
                         return True
                     if resp.status != 404:
                         break
             except (TimeoutError, aiohttp.ClientError) as exc:
+                engine.ready = False
                 self.mark(engine, False, f"{type(exc).__name__}: {exc}")
                 engine.last_check = time.time()
                 return False
+        engine.ready = False
         self.mark(engine, False, "health check failed")
         engine.last_check = time.time()
         return False
+
+    async def recheck(self) -> None:
+        """Health-check the engines not ready now, at once (when none is ready, a request asks
+        rather than wait for the loop); one check at a time, shared by every caller."""
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.gather(*(self.check(e) for e in self.engines if not e.ready))
+        await asyncio.shield(self._recheck)
 
     async def health_loop(self, interval_s: float) -> None:
         while True:

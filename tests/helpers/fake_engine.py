@@ -40,6 +40,7 @@ class FakeEngine:
     # streams: after this many chunks the engine "dies" (drops the connection) or "stalls"
     fail_after_chunks: int | None = None
     fail_mode: str = "die"
+    hung: bool = False  # accepts connections, never answers (health included)
     received: list[Received] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
@@ -68,6 +69,8 @@ class FakeEngine:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hung:
+            await asyncio.sleep(3600)
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
@@ -81,6 +84,8 @@ class FakeEngine:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.received.append(Received(request.path, CIMultiDict(request.headers), raw))
+        if self.hung:
+            await asyncio.sleep(3600)
         body = json.loads(raw)
         if body.get("model") == "error":
             return web.json_response(

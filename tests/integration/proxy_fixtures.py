@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.app import create_app
+from proxy.app import create_app, server_options
 from proxy.settings import Settings, load_settings
 from tests.helpers.fake_engine import FakeEngine, serve_fake
 
@@ -59,7 +59,8 @@ async def proxy_stack(
             health_interval_s=60,
             **(overrides or {}),
         )
-        server = TestServer(create_app(settings), handler_cancellation=True)
+        server = TestServer(create_app(settings))
+        await server.start_server(**server_options(settings))  # the options `serve` runs with
         client: TestClient[Any, Any] = TestClient(server)
         await client.start_server()
         stack.push_async_callback(client.close)

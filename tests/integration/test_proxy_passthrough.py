@@ -96,7 +96,8 @@ async def test_no_engine_reachable_gives_502_openai_error(
         redis_server.url, namespace, n_engines=0, extra_engine_urls=[dead]
     ) as st:
         resp = await st.client.post("/v1/chat/completions", json=CHAT)
-        assert resp.status == 502
+        # 502 when the connection fails, 503 once the start-up health check marked it not ready
+        assert resp.status in (502, 503)
         err = (await resp.json())["error"]
         assert err["code"] == "engine_unavailable" and "no engine" in err["message"]
 
@@ -186,7 +187,7 @@ async def test_engine_restart_on_same_port_recovers(
         url = engine.url
     # the engine is gone: 502; then it comes back on its port and traffic flows again
     async with proxy_stack(redis_server.url, namespace, n_engines=0, extra_engine_urls=[url]) as st:
-        assert (await st.client.post("/v1/chat/completions", json=CHAT)).status == 502
+        assert (await st.client.post("/v1/chat/completions", json=CHAT)).status in (502, 503)
         port = int(url.rsplit(":", 1)[1])
         from aiohttp import web
 

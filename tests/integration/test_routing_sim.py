@@ -42,6 +42,7 @@ async def two_replicas(
         health_interval_s=60,
         retention=retention,
         placement=placement or {},
+        expose_engines=True,
     )
     client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
     await client.start_server()

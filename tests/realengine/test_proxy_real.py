@@ -42,6 +42,7 @@ async def proxy_for(
         redis_url=redis_url,
         namespace=namespace,
         admin_token="admin-secret",
+        expose_engines=True,
         health_interval_s=60,
         retention={"tick_s": 0.1, "hash_seed": "0", **retention},
     )

@@ -1,0 +1,16 @@
+-- Undo the creation of a session whose only request failed upstream (the engine refused it
+-- or no engine answered): a session no request was served for is not kept. Left alone when
+-- another request has used it since (requests > 1, or a completion recorded).
+-- KEYS[1] session hash  KEYS[2] tenant index ZSET  KEYS[3] deadline ZSET
+-- KEYS[4] own children SET  KEYS[5] own context STRING  KEYS[6] parent's children SET or ""
+-- ARGV[1] sid  ARGV[2] deadline member
+-- Returns 1 when the session was removed.
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local requests, used = unpack(redis.call('HMGET', KEYS[1], 'requests', 'last_used'))
+if tonumber(requests or '0') > 1 or used then return 0 end
+if redis.call('SCARD', KEYS[4]) > 0 then return 0 end
+redis.call('DEL', KEYS[1], KEYS[4], KEYS[5])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[2])
+if KEYS[6] ~= '' then redis.call('SREM', KEYS[6], ARGV[1]) end
+return 1

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from proxy.access import REQUEST_ID, access_info
 from proxy.errors import NotFound
 from proxy.hints import parse_request
+from proxy.relay import end_broken_stream, engine_visible, pump_stream
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import SessionStore, StoreDown
 from proxy.upstream import Engine, response_headers, upstream_headers
@@ -153,7 +154,10 @@ async def relay(request: web.Request) -> web.StreamResponse:
         break
     info.engine = engine.name
     try:
-        return await _send(request, upstream, engine.name, info.request_id)
+        shown = engine.name if engine_visible(request) else None
+        return await _send(
+            request, upstream, shown, info.request_id, rt.settings.upstream.stream_stall_timeout_s
+        )
     except BaseException:  # client gone or cancelled: drop the engine's connection now
         upstream.close()
         raise
@@ -163,17 +167,25 @@ async def relay(request: web.Request) -> web.StreamResponse:
 
 
 async def _send(
-    request: web.Request, upstream: ClientResponse, engine: str, request_id: str
+    request: web.Request,
+    upstream: ClientResponse,
+    engine: str | None,
+    request_id: str,
+    stall_s: float,
 ) -> web.StreamResponse:
     headers = response_headers(upstream.headers)
     headers[REQUEST_ID] = request_id
-    headers["X-KVKeeper-Engine"] = engine
+    if engine is not None:
+        headers["X-KVKeeper-Engine"] = engine
     resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if upstream.content_length is not None:
         resp.content_length = upstream.content_length
     await resp.prepare(request)
-    async for chunk in upstream.content.iter_any():
-        await resp.write(chunk)
+    failure = await pump_stream(resp, upstream, None, stall_s)
+    if failure is not None:  # the engine failed mid-answer: end it cleanly
+        sse = "text/event-stream" in upstream.content_type
+        await end_broken_stream(request, resp, sse, failure)
+        return resp
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp

@@ -10,19 +10,18 @@ import re
 import time
 from typing import Any
 
-import aiohttp
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
 from adapters.vllm import PRIORITY_HEADER
 from policy.admission import admission_priority, admission_slack_ms
 from policy.prefix_index import hash_chain
-from proxy import jsonio
 from proxy.access import access_info
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable, UpstreamError
 from proxy.hints import Hint, parse_request
 from proxy.passthrough import previous_response_id, remember_response, response_engine
+from proxy.relay import end_broken_stream, engine_visible, pump_stream
 from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
 from proxy.upstream import Engine, response_headers, upstream_headers
@@ -195,9 +194,7 @@ async def _forward(
             sniffer.on_first_byte.append(functools.partial(gate.started, ticket))
         if prefill is not None:
             sniffer.on_first_byte.append(prefill.release)
-        shown = rt.settings.expose_engines or rt.tenants.is_admin(
-            request.headers, rt.settings.admin_token
-        )
+        shown = engine_visible(request)
         resp = await _relay(
             request,
             upstream,
@@ -299,60 +296,6 @@ async def _relay(
     return stream
 
 
-async def pump_stream(
-    stream: web.StreamResponse, upstream: ClientResponse, sniffer: UsageSniffer, stall_s: float
-) -> Exception | None:
-    """Copy the engine's body to the client; the engine-side failure that cut it short (the
-    connection dropped, or no byte for ``stall_s`` after the first), else None. Failures
-    writing to the client propagate (the client went away)."""
-    content = upstream.content
-    while True:
-        try:
-            if sniffer.first_byte_at is None:  # a long prefill: the client's read timeout
-                chunk = await content.readany()
-            else:
-                async with asyncio.timeout(stall_s):
-                    chunk = await content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return exc
-        if not chunk:
-            if rest := sniffer.relay_rest():
-                await stream.write(rest)
-            return None
-        if sniffer.first_byte_at is None:
-            sniffer.mark_first_byte()
-        if out := sniffer.relay(chunk):
-            await stream.write(out)
-
-
-async def end_broken_stream(
-    request: web.Request, stream: web.StreamResponse, sse: bool, failure: Exception
-) -> None:
-    """End an answer whose engine failed after its headers went out: an event stream gets an
-    error event in its dialect and a clean end; any other body is cut (the client sees a
-    truncated answer, never a second response written into the first). The connection closes."""
-    stream.force_close()
-    if not sse:
-        if request.transport is not None:
-            request.transport.abort()
-        return
-    message = f"the engine failed mid-answer ({type(failure).__name__})"
-    if request.path == "/v1/messages":
-        event = {"type": "error", "error": {"type": "api_error", "message": message}}
-        data = b"event: error\ndata: " + jsonio.dumps(event) + b"\n\n"
-    else:
-        error = {
-            "message": message,
-            "type": "upstream_error",
-            "param": None,
-            "code": "engine_failed",
-        }
-        data = b"data: " + jsonio.dumps({"error": error}) + b"\n\n"
-    with contextlib.suppress(ConnectionResetError):
-        await stream.write(data)
-        await stream.write_eof()
-
-
 def _after(
     rt: Runtime,
     tenant: str,
@@ -452,7 +395,7 @@ async def readyz(request: web.Request) -> web.Response:
         "engines_total": len(engines),
         "redis": redis_ok,
     }
-    if rt.settings.expose_engines or rt.tenants.is_admin(request.headers, rt.settings.admin_token):
+    if engine_visible(request):
         body["engines"] = engines
     return web.json_response(body, status=200 if ready else 503)
 

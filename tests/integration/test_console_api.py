@@ -61,7 +61,7 @@ async def test_forest_nests_trees_searches_and_scopes_tenants(
         assert status == 200 and body["tenant"] == "b" and body["total_sessions"] == 2
         assert {sid for t in body["trees"] for sid, _ in _flatten(t)} == {"lead-b", "b-w1"}
         status, body = await st.admin("GET", "/admin/console/forest", token=KEYS["b"], tenant="a")
-        assert status == 401 and body["error"]["code"] == "forbidden"
+        assert status == 403 and body["error"]["code"] == "forbidden"
         status, _ = await st.admin("GET", "/admin/console/forest", token="sk-nobody")
         assert status == 401
         status, body = await st.admin("GET", "/admin/console/forest", state="sleepy")

@@ -43,6 +43,7 @@ async def relay_stack(redis_url: str, namespace: str, n: int = 2) -> AsyncIterat
             redis_url=redis_url,
             namespace=namespace,
             admin_token=ADMIN,
+            expose_engines=True,  # the tests read X-KVKeeper-Engine
             health_interval_s=60,
             retention={"enabled": False},
         )

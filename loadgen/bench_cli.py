@@ -21,7 +21,7 @@ from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HINT_MODES, HintPolicy
 from loadgen.workloads.trace import TRACE_DIR_ENV
 
-_EXTRA_MODULES = ("loadgen.bench_compare",)
+_EXTRA_MODULES = ("loadgen.compare_cli",)
 _WITHOUT_EXTRA = frozenset({"ceiling"})  # pure computation: no plots, no progress bar
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]

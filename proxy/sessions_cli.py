@@ -96,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["active", "protected", "idle", "offloaded"],
         help="only sessions in this state (default: any)",
     )
-    ls.add_argument("--limit", type=int, default=50, help="page size, 1-500 (default: %(default)s)")
+    ls.add_argument("--limit", type=int, help="page size, 1-500 (default: 50; 500 with --all)")
     ls.add_argument("--cursor", help="start at this cursor (from a previous page's footer)")
     ls.add_argument("--all", action="store_true", help="follow cursors to the last page")
     ls.set_defaults(func=run_list)
@@ -337,7 +337,8 @@ def _list(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     cursor: str | None = args.cursor
     while True:
-        params = {"parent": args.parent, "state": args.state, "limit": args.limit}
+        limit = args.limit if args.limit is not None else (500 if args.all else 50)
+        params = {"parent": args.parent, "state": args.state, "limit": limit}
         page = _request(args, "GET", "/admin/sessions", {**params, "cursor": cursor})
         rows.extend(page.get("data") or [])
         cursor = page.get("next_cursor")

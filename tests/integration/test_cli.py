@@ -219,7 +219,7 @@ def test_help_texts_name_defaults_and_version(capsys: pytest.CaptureFixture[str]
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("kvkeeper ")
     for argv, needle in (
-        (["sessions", "list", "--help"], "(default: 50)"),
+        (["sessions", "list", "--help"], "(default: 50; 500 with --all)"),
         (["sessions", "pin", "--help"], "(default: the session's TTL)"),
         (["engines", "--help"], "(default: $KVKEEPER_URL or http://127.0.0.1:8000)"),
         (["engine", "up", "--help"], "KV pool size in blocks (default: 200)"),

@@ -40,9 +40,10 @@ from proxy.console_models import (
     ForestPage,
     RetentionCredit,
     SeriesPoint,
+    SessionDetail,
     TierPins,
 )
-from proxy.errors import BadRequest
+from proxy.errors import BadRequest, NotFound
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import SEP, STATES, Session, SessionStore, StoreDown
 
@@ -262,6 +263,33 @@ async def _page_trees(
         if root in nodes:
             out.append(nodes[root])
     return out
+
+
+@admin_route
+async def session_detail(
+    request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
+) -> web.Response:
+    """``GET /admin/console/sessions/{id}``: one session, and where its prefix lives on every
+    engine (its block ids learned now if retention had not yet)."""
+    tenant = principal.scope(request.query.get("tenant") or None)
+    sid = request.match_info["session_id"]
+    session = await store.get(tenant, sid)
+    if session is None:
+        raise NotFound(f"no session {sid!r}", code="unknown_session")
+    residency: dict[str, dict[str, int]] = {}
+    if rt.retention is not None:
+        blocks = await rt.retention.blocks_of(tenant, sid, session)
+        for name, es in rt.retention.engines.items():
+            residency[name] = es.index.prefix_by_medium(blocks) if blocks else {}
+    body = SessionDetail(
+        session=_view(rt, session, time.time(), True, await _tier_pins(rt, store)),
+        children=list(session.children),
+        context_bytes=session.context_bytes,
+        last_used=session.last_used or None,
+        last_touch=session.last_touch or None,
+        residency=residency,
+    )
+    return web.json_response(text=body.model_dump_json())
 
 
 async def _tier_pins(rt: Runtime, store: SessionStore) -> set[tuple[str, str]]:
@@ -504,3 +532,4 @@ def add_console_routes(app: web.Application) -> None:
     app.router.add_get("/ui/{name}", page)
     app.router.add_get("/admin/console/forest", forest)
     app.router.add_get("/admin/console/engines", engines)
+    app.router.add_get("/admin/console/sessions/{session_id}", session_detail)

@@ -61,6 +61,18 @@ class ForestPage(BaseModel):
     trees: list[ForestNode]
 
 
+class SessionDetail(BaseModel):
+    object: str = "kvkeeper.console.session"
+    session: ConsoleSession
+    children: list[str]
+    context_bytes: int = Field(description="compressed context kept to re-send its prompt")
+    last_used: float | None
+    last_touch: float | None
+    residency: dict[str, dict[str, int]] = Field(
+        description="per engine: leading blocks of its prefix resident per medium (GPU, CPU...)"
+    )
+
+
 class SeriesPoint(BaseModel):
     t: float
     requests: int = Field(description="requests forwarded to the engine since the last point")

@@ -10,11 +10,23 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from proxy.console_models import ConsoleEngines, ForestPage, Freed, OperationOutcome
+from proxy.console_models import (
+    ConsoleEngines,
+    ForestPage,
+    Freed,
+    OperationOutcome,
+    SessionDetail,
+)
 from proxy.hints import AgentHintParams
 
 # models the admin and console handlers return: their schemas go to components/schemas
-_MODELS: tuple[type[BaseModel], ...] = (ForestPage, ConsoleEngines, Freed, OperationOutcome)
+_MODELS: tuple[type[BaseModel], ...] = (
+    ForestPage,
+    ConsoleEngines,
+    SessionDetail,
+    Freed,
+    OperationOutcome,
+)
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _SID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -149,6 +161,17 @@ def _ui_paths() -> dict[str, Any]:
                 "responses": {
                     "200": _resp("Trees whose sessions match", _ref(ForestPage)),
                     **_errors(400, 401, 503),
+                },
+            }
+        },
+        "/admin/console/sessions/{session_id}": {
+            "get": {
+                **get,
+                "summary": "One session with its children and its prefix's residency per engine",
+                "parameters": [_SID, _TENANT],
+                "responses": {
+                    "200": _resp("The session", _ref(SessionDetail)),
+                    **_errors(401, 404, 503),
                 },
             }
         },

@@ -10,6 +10,8 @@ const $ = (id) => document.getElementById(id);
 const state = {
   token: "", tenant: "", q: "", filter: "", offset: 0,
   total: 0, skew: 0, collapsed: new Set(), timer: null, busy: false,
+  selected: null, // {tenant, sid}: the session shown in the detail panel
+  shownQ: "", again: false,
 };
 
 function esc(v) {
@@ -40,9 +42,12 @@ async function loadForest() {
   // an open action menu or confirmation would be destroyed by a re-render: wait for it
   if (document.activeElement && document.activeElement.matches("select.act")) return;
   if ($("confirm").open) return;
-  const page = await api("GET", "/admin/console/forest", {
-    tenant: state.tenant, q: state.q, state: state.filter, offset: state.offset, limit: PAGE,
-  });
+  const asked = { tenant: state.tenant, q: state.q, state: state.filter, offset: state.offset, limit: PAGE };
+  const page = await api("GET", "/admin/console/forest", asked);
+  // the search, filter or page changed while this was in flight: the queued refresh shows them
+  if (asked.q !== state.q || asked.state !== state.filter || asked.offset !== state.offset ||
+      asked.tenant !== state.tenant) return;
+  state.shownQ = asked.q;
   state.skew = page.now * 1000 - Date.now();
   state.total = page.total_trees;
   const rows = [];
@@ -92,7 +97,7 @@ function row(s, depth, lastFlags, nkids, closed) {
   const ops = ["free"].concat(nkids ? ["free-tree"] : [], OPS);
   const actions = '<select class="act" aria-label="action"><option value="">action…</option>' +
     ops.map((op) => `<option value="${op}">${op.replace("-", " ")}</option>`).join("") + "</select>";
-  return `<tr class="node${s.matched && state.q ? " matched" : ""}" data-sid="${esc(s.session_id)}" data-tenant="${esc(s.tenant)}"` +
+  return `<tr class="node${s.matched && state.shownQ ? " matched" : ""}" data-sid="${esc(s.session_id)}" data-tenant="${esc(s.tenant)}"` +
     ` data-parent="${esc(s.parent_session_id || "")}" data-depth="${depth}" data-state="${esc(s.display_state)}" data-children="${nkids}">` +
     `<td class="sid"><span class="tree">${treePrefix(lastFlags)}</span>${toggle}${esc(s.session_id)}` +
     `${state.tenant || !s.tenant ? "" : ` <span class="muted">@${esc(s.tenant)}</span>`}</td>` +
@@ -161,6 +166,46 @@ async function loadEngines() {
   }).join("");
 }
 
+// --- one session in detail --------------------------------------------------------------------
+async function loadDetail() {
+  if (!state.selected) return;
+  const { tenant, sid } = state.selected;
+  let d;
+  try {
+    d = await api("GET", "/admin/console/sessions/" + encodeURIComponent(sid), { tenant });
+  } catch (err) {
+    if (err.status !== 404) throw err;
+    $("detail-body").innerHTML = `<p class="muted">${esc(sid)} is gone (freed or expired)</p>`;
+    return;
+  }
+  const s = d.session, c = s.counters;
+  const when = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
+  const where = Object.entries(d.residency).map(([engine, media]) =>
+    `${esc(engine)}: ` + (Object.entries(media).map(([m, n]) => `${esc(m)} ${num(n)}`).join(", ") || "nothing resident")
+  ).join("<br>") || "–";
+  $("detail-body").innerHTML = `<h3 data-detail="${esc(s.session_id)}"><span>${esc(s.session_id)}</span>` +
+    `<span class="badge s-${esc(s.display_state)}">${esc(s.display_state)}</span></h3><dl class="kv">` +
+    `<dt>tenant</dt><dd>${esc(s.tenant)}</dd><dt>agent</dt><dd>${esc(s.agent || "–")}</dd>` +
+    `<dt>parent</dt><dd>${esc(s.parent_session_id || "–")}</dd>` +
+    `<dt>children</dt><dd>${d.children.map(esc).join(", ") || "–"}</dd>` +
+    `<dt>engine</dt><dd>${esc(s.engine || "–")}</dd>` +
+    `<dt>TTL</dt><dd>${s.ttl_until > 0 ? `until ${when(s.ttl_until)} (${num(s.ttl_s)} s)` : "not protected"}</dd>` +
+    `<dt>prefix</dt><dd>${num(s.blocks)} blocks${s.tier_pinned ? ", pinned in the tier" : ""}</dd>` +
+    `<dt>resident</dt><dd class="residency">${where}</dd>` +
+    `<dt>context</dt><dd>${num(d.context_bytes)} bytes</dd>` +
+    `<dt>created</dt><dd>${when(s.created)}</dd><dt>last used</dt><dd>${when(d.last_used)}</dd>` +
+    `<dt>last touch</dt><dd>${when(d.last_touch)}</dd>` +
+    `<dt>requests</dt><dd>${num(c.requests)} (${num(c.touches)} touches, ${num(c.warmups)} warm-ups, ${num(c.expiries)} expiries)</dd>` +
+    `<dt>tokens</dt><dd>${num(c.prompt_tokens)} prompt, ${num(c.cached_tokens)} cached (${pct(c.hit_rate)}), ${num(c.completion_tokens)} completion</dd></dl>`;
+}
+
+function select(tenant, sid) {
+  state.selected = { tenant, sid };
+  $("detail").hidden = false;
+  $("detail-body").innerHTML = '<p class="muted">loading…</p>';
+  loadDetail().catch((err) => setStatus("error: " + err.message, "err"));
+}
+
 // --- actions -----------------------------------------------------------------------------------
 function confirmDialog(text) {
   const dlg = $("confirm");
@@ -204,15 +249,17 @@ async function act(tr, op) {
 
 // --- wiring ------------------------------------------------------------------------------------
 async function refresh() {
-  if (!state.token || state.busy) return;
+  if (!state.token) return;
+  if (state.busy) { state.again = true; return; } // one more right after this one
   state.busy = true;
   try {
-    await Promise.all([loadForest(), loadEngines()]);
+    await Promise.all([loadForest(), loadEngines(), loadDetail()]);
     setStatus("live · " + new Date().toLocaleTimeString(), "ok");
   } catch (err) {
     setStatus(err.status === 401 ? "not authorised: " + err.message : "error: " + err.message, "err");
   } finally {
     state.busy = false;
+    if (state.again) { state.again = false; refresh(); }
   }
 }
 
@@ -243,7 +290,11 @@ function init() {
   $("next").addEventListener("click", () => { state.offset += PAGE; refresh(); });
   $("forest-body").addEventListener("click", (ev) => {
     const tr = ev.target.closest("tr.node");
-    if (!tr || !ev.target.dataset.toggle) return;
+    if (!tr) return;
+    if (!ev.target.dataset.toggle) {
+      if (ev.target.closest("td.sid")) select(tr.dataset.tenant, tr.dataset.sid);
+      return;
+    }
     const key = tr.dataset.tenant + "\u001f" + tr.dataset.sid;
     if (state.collapsed.has(key)) state.collapsed.delete(key); else state.collapsed.add(key);
     refresh();
@@ -256,6 +307,7 @@ function init() {
     ev.target.blur();
     act(tr, op);
   });
+  $("detail-close").addEventListener("click", () => { state.selected = null; $("detail").hidden = true; });
   setInterval(tickTTL, 200);
   if ($("token").value) connect();
 }

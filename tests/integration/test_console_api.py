@@ -9,7 +9,7 @@ from typing import Any
 from openapi_spec_validator import validate
 from yarl import URL
 
-from proxy.console_models import ConsoleEngines, ForestPage
+from proxy.console_models import ConsoleEngines, ForestPage, SessionDetail
 from tests.helpers.redis_server import RedisServer
 from tests.integration.console_fixtures import ADMIN, KEYS, TREE, console_stack
 
@@ -100,6 +100,15 @@ async def test_actions_the_console_calls_return_their_models(
         assert (body["status"], body["reason"]) == ("unsupported", "no_offload_tier")
         status, body = await st.admin("DELETE", "/admin/sessions/job", tenant="a", tree="true")
         assert status == 200 and sorted(body["freed"]) == ["job", "job-1", "job-2"]
+        status, body = await st.admin("GET", "/admin/console/sessions/a-w1", token=KEYS["a"])
+        assert status == 200, body
+        detail = SessionDetail.model_validate(body)
+        assert detail.children == ["a-w1-x"] and detail.session.parent_session_id == "lead-a"
+        (media,) = detail.residency.values()
+        assert media["GPU"] == detail.session.blocks == 12  # 400 tokens: 12 full blocks of 32
+        assert detail.context_bytes > 0
+        status, body = await st.admin("GET", "/admin/console/sessions/a-w1", token=KEYS["b"])
+        assert status == 404  # b's key looks in tenant b
         status, body = await st.admin("DELETE", "/admin/sessions/lead-a", token=KEYS["b"])
         assert status == 404  # scoped to tenant b, where lead-a does not exist
 
@@ -141,7 +150,8 @@ async def test_openapi_describes_the_console_and_validates(
         assert ref == "#/components/schemas/ForestPage"
         ops = doc["paths"]["/admin/sessions/{session_id}/{op}"]["post"]["responses"]["200"]
         assert ops["content"]["application/json"]["schema"]["$ref"].endswith("/OperationOutcome")
-        for name in ("ConsoleEngines", "ConsoleSession", "SeriesPoint", "Freed", "ForestNode"):
+        names = ("ConsoleEngines", "ConsoleSession", "SeriesPoint", "Freed", "ForestNode")
+        for name in (*names, "SessionDetail"):
             assert name in schemas, name
         # the pages themselves are served from the package, with no outside asset
         for path in ("/ui/", "/ui/console.js", "/ui/console.css"):

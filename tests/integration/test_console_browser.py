@@ -57,9 +57,16 @@ async def test_console_shows_the_forest_and_frees_a_tree(
             != width
         )
         # engines: live charts drawn once the sampler has points
-        await page.wait_for_selector(".engine svg.chart polyline", timeout=10_000)
-        assert "healthy" in await page.inner_text(".engine")
+        await page.wait_for_selector("#engines svg.chart polyline", timeout=10_000)
+        assert "healthy" in await page.inner_text("#engines .engine")
         await page.screenshot(path=str(tmp_path / "console-forest.png"), full_page=True)
+
+        # a session in detail: where its prefix lives on each engine, its children
+        await page.click('tr[data-sid="a-w1"] td.sid')
+        await page.wait_for_selector('#detail-body h3[data-detail="a-w1"]', timeout=5_000)
+        detail = await page.inner_text("#detail-body")
+        assert "a-w1-x" in detail and "coder" in detail and "lead-a" in detail
+        assert "GPU 12" in await page.inner_text("#detail-body .residency")
 
         # free the job tree from the console, confirmed in the dialog
         await page.select_option('tr[data-sid="job"] select.act', "free-tree")

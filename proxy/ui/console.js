@@ -256,7 +256,8 @@ async function refresh() {
     await Promise.all([loadForest(), loadEngines(), loadDetail()]);
     setStatus("live · " + new Date().toLocaleTimeString(), "ok");
   } catch (err) {
-    setStatus(err.status === 401 ? "not authorised: " + err.message : "error: " + err.message, "err");
+    const what = { 401: "not authorised", 403: "forbidden" }[err.status] || "error";
+    setStatus(what + ": " + err.message, "err");
   } finally {
     state.busy = false;
     if (state.again) { state.again = false; refresh(); }

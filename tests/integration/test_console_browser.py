@@ -120,7 +120,7 @@ async def test_a_tenant_key_sees_and_acts_on_its_own_tenant_only(
         await page.fill("#tenant", "a")
         await page.click("#auth button")
         await page.wait_for_function(
-            "document.getElementById('status').textContent.includes('not authorised')",
+            "document.getElementById('status').textContent.includes('forbidden')",
             timeout=5_000,
         )
         # acting on a's sessions with b's key, straight from the page: refused or not found
@@ -134,6 +134,6 @@ async def test_a_tenant_key_sees_and_acts_on_its_own_tenant_only(
             }""",
             KEYS["b"],
         )
-        assert answers == [401, "forbidden", 404, 404]
+        assert answers == [403, "forbidden", 404, 404]
         status, body = await st.admin("GET", "/admin/sessions/lead-a", tenant="a")
         assert status == 200 and sorted(body["children"]) == ["a-w1", "a-w2"]

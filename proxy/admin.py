@@ -17,6 +17,7 @@ from proxy import jsonio
 from proxy.auth import Principal
 from proxy.console_models import Freed, OperationOutcome
 from proxy.errors import BadRequest, NotFound, StoreUnavailable
+from proxy.hashcheck import HASH_CHECKS
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import STATES, Session, SessionStore, StoreDown
 
@@ -208,6 +209,7 @@ async def free_session(
 async def list_engines(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     who = rt.tenants.principal(request.headers, rt.settings.admin_token)
+    checks = request.app[HASH_CHECKS]  # the block-hash self-check (proxy/hashcheck.py)
     data = [
         {
             "name": e.name,
@@ -219,6 +221,7 @@ async def list_engines(request: web.Request) -> web.Response:
             "models": e.models,
             "events": e.spec.events,
             "retention": rt.retention.engine_view(e.name, who.tenant) if rt.retention else None,
+            "hash_check": checks[e.name].to_json() if e.name in checks else None,
         }
         for e in rt.pool.engines
     ]

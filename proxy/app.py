@@ -30,6 +30,7 @@ from proxy.errors import (
     ServerBusy,
     error_middleware,
 )
+from proxy.hashcheck import HASH_CHECKS, check_engines
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
@@ -158,6 +159,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         client_max_size=settings.limits.max_body_bytes,
     )
     metrics = Metrics()
+    app[HASH_CHECKS] = {}
     tenants = TenantMap.from_file(settings.tenants_file)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -196,9 +198,13 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             watch(pool, store_watch, settings.health_interval_s, stopping)
         )
         sweeps: asyncio.Task[None] | None = None
+        checking: asyncio.Task[None] | None = None
         if settings.retention.enabled:
             rt.retention = build_retention(settings, store, pool, metrics)
             await rt.retention.start()
+            checking = asyncio.create_task(
+                check_engines(rt.retention, app[HASH_CHECKS], metrics, stopping)
+            )
             if edits is None:
                 rt.edits = SessionOps(store, rt.retention, metrics, settings.limits.max_ttl_s)
             if any(es.tier is not None for es in rt.retention.engines.values()):
@@ -210,7 +216,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             yield
         finally:
             stopping.set()
-            background = [health, watching, *([sweeps] if sweeps is not None else [])]
+            background = [health, watching, *(t for t in (sweeps, checking) if t is not None)]
             for task in background:
                 task.cancel()
             await asyncio.wait(background, timeout=5)

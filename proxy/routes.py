@@ -402,6 +402,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
+    for e in rt.pool.engines:  # read at scrape time: no gauge update on the request path
+        rt.metrics.child(rt.metrics.inflight, e.name).set(e.inflight)
     return web.Response(body=rt.metrics.render(), headers={"Content-Type": rt.metrics.content_type})
 
 

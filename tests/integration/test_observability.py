@@ -51,6 +51,8 @@ async def test_metrics_parse_with_process_build_up_gauges_and_ttft_by_engine(
             name = e.url.removeprefix("http://")
             await _until(st, "kvkeeper_engine_up", {"engine": name}, 1.0)
         samples = await _samples(st)
+        inflight = {lab["engine"]: v for lab, v in samples["kvkeeper_inflight_requests"]}
+        assert inflight == {e.url.removeprefix("http://"): 0.0 for e in st.engines}
         for name in ("process_cpu_seconds_total", "process_resident_memory_bytes"):
             assert samples[name][0][1] > 0
         assert samples["process_start_time_seconds"][0][1] > 1e9

@@ -104,6 +104,17 @@ def _find_usage(event: Any) -> Any:
     return None
 
 
+_TERMINAL = b'"finish_reason":"'  # a chunk that ends a choice (vLLM's compact JSON)
+_FINGERPRINT = re.compile(rb',"system_fingerprint":("(?:[^"\\]|\\.)*")')
+
+
+def _stamp(event: bytes, fingerprint: bytes) -> bytes:
+    """A terminal chunk as vLLM sends it without include_usage: the fingerprint last."""
+    if _TERMINAL not in event or b'"system_fingerprint"' in event or not event.endswith(b"}"):
+        return event
+    return event[:-1] + b',"system_fingerprint":' + fingerprint + b"}"
+
+
 def _usage_only(event: bytes) -> bool:
     """An SSE event that carries usage and no choices (the include_usage chunk)."""
     if b'"usage"' not in event or not event.startswith(b"data:"):
@@ -127,6 +138,7 @@ class UsageSniffer:
         # drop the usage-only chunk kvkeeper asked for (``ask_for_usage``) from what is relayed
         self.strip_usage = False
         self._held = bytearray()  # relayed bytes held until their SSE event is complete
+        self._tail: list[bytes] = []  # events from the first terminal chunk on (see relay)
         self.first_byte_at: float | None = None
         self.on_first_byte: list[Callable[[], None]] = []  # called once, at the first byte
 
@@ -169,8 +181,12 @@ class UsageSniffer:
             self.usage = _merge(self.usage, found)
 
     def relay(self, chunk: bytes) -> bytes:
-        """Feed a chunk; returns the bytes to send to the client (the chunk itself, or with
-        ``strip_usage`` the complete events in it less the usage-only one)."""
+        """Feed a chunk; returns the bytes to send to the client: the chunk itself, or with
+        ``strip_usage`` the complete events in it as the engine sends them without the option.
+
+        vLLM moves ``system_fingerprint`` from a stream's terminal chunks (``finish_reason``
+        set) to the usage chunk when asked for usage; so from the first terminal chunk on the
+        events are held until the usage chunk, whose fingerprint goes back on them."""
         self.feed(chunk)
         if not self.strip_usage:
             return chunk
@@ -180,18 +196,28 @@ class UsageSniffer:
             return b""
         complete = bytes(self._held[: end + 2])
         del self._held[: end + 2]
-        if b'"usage"' not in complete:
+        if not self._tail and b'"usage"' not in complete and _TERMINAL not in complete:
             return complete
-        events = complete.split(b"\n\n")
-        kept = [e for e in events[:-1] if not _usage_only(e)]
-        if len(kept) == len(events) - 1:
-            return complete
-        self.strip_usage = False  # the one extra chunk is gone: the rest passes as it comes
-        return b"".join(e + b"\n\n" for e in kept) + self.relay_rest()
+        out = bytearray()
+        for event in complete.split(b"\n\n")[:-1]:
+            if _usage_only(event):
+                found = _FINGERPRINT.search(event)
+                for held in self._tail:
+                    out += (_stamp(held, found.group(1)) if found else held) + b"\n\n"
+                self._tail.clear()
+                self.strip_usage = False  # the one extra chunk is gone: the rest passes on
+            elif self._tail or _TERMINAL in event:
+                self._tail.append(event)
+            else:
+                out += event + b"\n\n"
+        if not self.strip_usage:
+            out += self.relay_rest()
+        return bytes(out)
 
     def relay_rest(self) -> bytes:
-        """What :meth:`relay` still holds when the body ends (an unterminated last event)."""
-        rest = bytes(self._held)
+        """What :meth:`relay` still holds when the body ends (or stops being filtered)."""
+        rest = b"".join(e + b"\n\n" for e in self._tail) + bytes(self._held)
+        self._tail.clear()
         self._held.clear()
         return rest
 

@@ -24,6 +24,10 @@ from loadgen.sim.api import (
 )
 from loadgen.sim.engine import SimRequest
 
+# vLLM (>= 0.32, --fingerprint-mode full) stamps this on a stream's terminal chunks, or on its
+# usage chunk when the client asked for usage
+FINGERPRINT = "vllm-sim"
+
 
 def completion_prompts(body: dict[str, Any], request: web.Request) -> list[list[int]]:
     """``prompt`` as text, token ids, or a batch of either."""
@@ -99,10 +103,14 @@ async def _stream_completion(
 
         async for batch in token_batches(req):
             await resp.write(sse(chunk(tok.decode(batch), None)))
-        await resp.write(sse(chunk("", req.finish_reason)))
+        last = chunk("", req.finish_reason)
+        if not params.include_usage:  # vLLM: the fingerprint ends the stream's last chunk
+            last["system_fingerprint"] = FINGERPRINT
+        await resp.write(sse(last))
         if params.include_usage:
             await resp.write(sse({"id": rid, "object": "text_completion", "created": created,
-                                  "model": model, "choices": [], "usage": usage(req)}))  # fmt: skip
+                                  "model": model, "choices": [], "usage": usage(req),
+                                  "system_fingerprint": FINGERPRINT}))  # fmt: skip
         await resp.write(sse("[DONE]"))
     finally:
         abort_unfinished(request, req)
@@ -140,10 +148,14 @@ async def _stream_chat(
         await resp.write(sse(chunk({"role": "assistant", "content": ""}, None)))
         async for batch in token_batches(req):
             await resp.write(sse(chunk({"content": tok.decode(batch)}, None)))
-        await resp.write(sse(chunk({}, req.finish_reason)))
+        last = chunk({}, req.finish_reason)
+        if not params.include_usage:  # vLLM: the fingerprint ends the stream's last chunk
+            last["system_fingerprint"] = FINGERPRINT
+        await resp.write(sse(last))
         if params.include_usage:
             await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                  "model": model, "choices": [], "usage": usage(req)}))  # fmt: skip
+                                  "model": model, "choices": [], "usage": usage(req),
+                                  "system_fingerprint": FINGERPRINT}))  # fmt: skip
         await resp.write(sse("[DONE]"))
     finally:
         abort_unfinished(request, req)

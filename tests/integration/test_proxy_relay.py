@@ -3,6 +3,7 @@ Responses kept on the replica that stores them (Redis map), count_tokens with it
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -147,3 +148,31 @@ async def test_count_tokens_goes_to_its_sessions_engine(
                 resp = await st.client.post("/v1/messages/count_tokens", json=msg, headers=headers)
                 assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
                 assert resp.headers["X-KVKeeper-Engine"] == engine
+
+
+async def test_sim_stream_without_usage_keeps_vllms_shape_and_counts(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with relay_stack(redis_server.url, namespace, n=1) as st:
+        body = {
+            "model": "sim",
+            "stream": True,
+            "messages": [{"role": "user", "content": "count my tokens " * 30}],
+        }
+        resp = await st.client.post(
+            "/v1/chat/completions", json=body, headers={"X-Session-Id": "u"}
+        )
+        text = await resp.text()
+        events = [block.removeprefix("data: ") for block in text.strip().split("\n\n")]
+        assert events[-1] == "[DONE]" and '"usage"' not in text
+        chunks = [json.loads(e) for e in events[:-1]]
+        # as vLLM sends it without include_usage: the fingerprint ends the terminal chunk
+        assert list(chunks[-1])[-1] == "system_fingerprint"
+        assert chunks[-1]["choices"][0]["finish_reason"] is not None
+        for _ in range(100):
+            got = await st.client.get("/admin/sessions/u", headers=ADMIN_HEADERS)
+            if got.status == 200 and (await got.json())["counters"]["prompt_tokens"] > 90:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the session's counters never saw the stream's usage")

@@ -59,3 +59,32 @@ def test_without_strip_everything_passes() -> None:
     engine = _stream(True)
     sniffer = UsageSniffer("text/event-stream", None)
     assert sniffer.relay(engine) == engine and sniffer.relay_rest() == b""
+
+
+def _vllm(with_usage: bool, n: int = 1) -> bytes:
+    """A stream in vLLM's compact bytes: the fingerprint rides on the terminal chunks without
+    include_usage and on the usage chunk with it (vLLM >= 0.32)."""
+    fp = '"system_fingerprint":"vllm-0.32.0-1a2b3c4d"'
+    head = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"smol",'
+    lines = []
+    for i in range(n):
+        lines.append(head + f'"choices":[{{"index":{i},"delta":{{"content":"hi"}}}}]}}')
+    for i in range(n):
+        end = head + f'"choices":[{{"index":{i},"delta":{{}},"finish_reason":"stop"}}]'
+        lines.append(end + ("}" if with_usage else "," + fp + "}"))
+    if with_usage:
+        usage = '"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2}'
+        lines.append(head + '"choices":[],' + usage + "," + fp + "}")
+    return b"".join(f"data: {line}\n\n".encode() for line in lines) + b"data: [DONE]\n\n"
+
+
+def test_fingerprint_goes_back_on_the_terminal_chunks() -> None:
+    for n in (1, 2):
+        engine, client = _vllm(True, n), _vllm(False, n)
+        for size in (1, 5, 50, len(engine)):
+            sniffer = UsageSniffer("text/event-stream", None)
+            sniffer.strip_usage = True
+            out = b"".join(sniffer.relay(engine[i : i + size]) for i in range(0, len(engine), size))
+            assert out + sniffer.relay_rest() == client, (n, size)
+            usage = sniffer.finish()
+            assert usage is not None and usage.prompt_tokens == 9

@@ -258,7 +258,13 @@ class SessionStore:
             raise StoreDown("redis unavailable (cooling down after an error)")
         try:
             return await op()
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        # InvalidResponse: the URL names something that is not Redis (an HTTP port ...)
+        except (
+            redis_errors.ConnectionError,
+            redis_errors.TimeoutError,
+            redis_errors.InvalidResponse,
+            OSError,
+        ) as exc:
             self._down_until = time.monotonic() + self._cooldown_s
             if self._on_error is not None:
                 self._on_error()

@@ -43,12 +43,19 @@ class StoreWatch:
             )
 
     def failed(self) -> None:
-        """A store call failed (the store's ``on_error``)."""
-        self.set(False)
+        """A store call failed (the store's ``on_error``); the first state is the ping's."""
+        if self.up:
+            self.set(False, "a store call failed")
 
     async def check(self) -> bool:
-        ok = self.store is not None and await self.store.ping()
-        self.set(ok, "" if ok else "ping failed")
+        """Ping Redis (directly, so the log line can say why it failed)."""
+        if self.store is None:
+            return False
+        try:
+            ok, detail = bool(await self.store.redis.ping()), ""
+        except Exception as exc:  # any failure is "unreachable"; the reason goes in the log
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        self.set(ok, detail)
         return ok
 
 

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.logs import FIELDS, JsonFormatter
+from tests.helpers.fake_engine import FakeEngine, serve_fake
 from tests.helpers.redis_server import RedisServer, free_port
 from tests.integration.proxy_fixtures import Stack, proxy_stack
 
@@ -146,3 +147,19 @@ def test_port_in_use_is_one_line_without_traceback(redis_server: RedisServer) ->
         "use (another process listens on that port)"
     ], done.stderr
     assert "listening" not in done.stdout
+
+
+async def test_redis_url_naming_something_else_fails_open_with_a_reason(
+    namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvkeeper.watch")
+    async with serve_fake(FakeEngine(name="not-redis")) as http_server:
+        wrong = http_server.url.replace("http://", "redis://") + "/0"
+        async with proxy_stack(wrong, namespace) as st:
+            await _until(st, "kvkeeper_redis_up", {}, 0.0)
+            body = {**CHAT, "agent_hint": {"session_id": "s"}}
+            resp = await st.client.post("/v1/chat/completions", json=body)
+            assert resp.status == 200
+            assert resp.headers["X-KVKeeper-Hint"] == "rejected; reason=store_unavailable"
+    lines = [r.getMessage() for r in caplog.records if "is unreachable" in r.getMessage()]
+    assert len(lines) == 1 and "InvalidResponse" in lines[0], lines

@@ -16,6 +16,8 @@ Multi-key updates are Lua scripts (``proxy/lua``). Connection failures raise
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,7 +160,11 @@ _SCRIPTS = (
     "lease",
     "protected",
     "unregister",
+    "feed",
 )
+FEED_PAGE = 2000  # changed sessions read per call (a tick reads at most this many)
+FEED_MAX = 500_000  # feed entries kept (one per session changed); older ones trimmed
+LOAD_PAGE = 1000  # protected sessions per call when the mirror is (re)loaded
 
 
 def _decode(tenant: str, raw: dict[bytes, bytes], children: list[bytes], ctx_len: int) -> Session:
@@ -230,7 +236,16 @@ class SessionStore:
         self._cooldown_s = cooldown_s
         self._down_until = 0.0
         self._on_error = on_error
-        self._briefs: dict[tuple[Any, ...], Session] = {}  # protected() rows already decoded
+        # protected(): the protected sessions as last read, and the feed sequence read up to
+        self._mirror: dict[tuple[str, str], Session] = {}
+        self._cursor = 0
+        self._loaded = False
+        self._mirror_lock = asyncio.Lock()
+        # a heap of (deadline, tie-break, key, session): the mirror's expiries in order
+        self._deadlines: list[tuple[float, int, tuple[str, str], Session]] = []
+        self._order = itertools.count()
+        self._listed: list[Session] | None = None  # the answer, until the mirror changes
+        self.mirror_loads = 0  # full (re)loads, for tests and benchmarks
         self.scripts = ScriptBatcher(redis, {name: _script(f"{name}.lua") for name in _SCRIPTS})
 
     # --- keys ---------------------------------------------------------------------------------
@@ -243,6 +258,15 @@ class SessionStore:
     @property
     def deadlines_key(self) -> str:
         return f"{self.ns}:dl"
+
+    @property
+    def feed_key(self) -> str:
+        """ZSET: deadline members of changed protected sessions, by change sequence."""
+        return f"{self.ns}:chg"
+
+    @property
+    def feed_seq_key(self) -> str:
+        return f"{self.ns}:chgseq"
 
     @property
     def tenants_key(self) -> str:
@@ -293,6 +317,8 @@ class SessionStore:
             self.tenants_key,
             self.key("ch", tenant, sid),
             self.key("ctx", tenant, sid),
+            self.feed_key,
+            self.feed_seq_key,
         ]
         args: list[str | int] = [
             repr(now),
@@ -331,6 +357,8 @@ class SessionStore:
             self.key("ch", tenant, sid),
             self.key("ctx", tenant, sid),
             self.key("ch", tenant, parent) if parent else "",
+            self.feed_key,
+            self.feed_seq_key,
         ]
         args: list[str | int] = [sid, f"{tenant}{SEP}{sid}"]
         return bool(await self._call(lambda: self.scripts.call("unregister", keys, args)))
@@ -343,7 +371,7 @@ class SessionStore:
         A record is (tenant, sid, now, engine, last request's usage, summed usage, context blob
         or b""). Returns how many sessions still existed.
         """
-        keys: list[str] = []
+        keys: list[str] = [self.feed_key, self.feed_seq_key]
         args: list[bytes | str | int | float] = [self.limits.idle_expiry_s]
         for tenant, sid, now, engine, last, total, context in records:
             keys += [
@@ -361,6 +389,7 @@ class SessionStore:
                 total.completion_tokens,
                 context,
                 sid,
+                self._member(tenant, sid),
             ]
         return int(await self._call(lambda: self.scripts.call("complete", keys, args)))
 
@@ -461,15 +490,20 @@ class SessionStore:
 
     async def expire(self, tenant: str, sid: str, now: float) -> bool:
         """Expire the session's TTL if its deadline passed; True when this call did it."""
-        keys = [self.key("s", tenant, sid), self.deadlines_key]
+        keys = [self.key("s", tenant, sid), self.deadlines_key, self.feed_key, self.feed_seq_key]
         args: list[str | int] = [repr(now), self._member(tenant, sid)]
         return bool(await self._call(lambda: self.scripts.call("expire", keys, args)))
 
     async def touched(
         self, tenant: str, sid: str, now: float, recomputed: int, *, warmup: bool = False
     ) -> bool:
-        keys = [self.key("s", tenant, sid)]
-        args: list[str | int] = [repr(now), "warmup" if warmup else "touch", recomputed]
+        keys = [self.key("s", tenant, sid), self.feed_key, self.feed_seq_key]
+        args: list[str | int] = [
+            repr(now),
+            "warmup" if warmup else "touch",
+            recomputed,
+            self._member(tenant, sid),
+        ]
         return bool(await self._call(lambda: self.scripts.call("touched", keys, args)))
 
     async def protect(
@@ -483,7 +517,7 @@ class SessionStore:
         forget_engine: bool = False,
     ) -> bool:
         """Set (ttl > 0) or drop (ttl == 0) protection, optionally the state; False if unknown."""
-        keys = [self.key("s", tenant, sid), self.deadlines_key]
+        keys = [self.key("s", tenant, sid), self.deadlines_key, self.feed_key, self.feed_seq_key]
         args: list[str | int] = [
             repr(now),
             repr(ttl_s),
@@ -587,30 +621,91 @@ class SessionStore:
         if current is not None and _text(current).rsplit("|", 1)[0] == holder:
             await self._call(lambda: self.redis.delete(key))
 
-    async def protected(self, now: float, limit: int = 100_000) -> list[Session]:
-        """Every session whose TTL deadline is still ahead, across tenants (one script call)."""
-        keys = [self.deadlines_key]
-        args: list[str | int] = [repr(now), limit, self.ns, *_BRIEF]
-        flat = await self._call(lambda: self.scripts.call("protected", keys, args))
-        width = 1 + len(_BRIEF)
-        # The retention worker asks every tick and a paused session's row has not changed since
-        # the last answer: a row seen before reuses its decoded (immutable) Session. Decoding
-        # them all again cost ~3 µs a row in one block of the event loop (1.6 ms for 500
-        # protected sessions, twice a second: the data plane's p99 doubled).
-        seen, fresh, out = self._briefs, {}, []
-        decoded = 0
-        for i in range(0, len(flat), width):
-            row = tuple(flat[i : i + width])
-            session = seen.get(row)
-            if session is None:
-                session = _brief(row)
-                decoded += 1
-                if decoded % 128 == 0:
-                    await asyncio.sleep(0)  # changed rows: the data plane runs in between
-            fresh[row] = session
-            out.append(session)
-        self._briefs = fresh
-        return out
+    async def protected(self, now: float) -> list[Session]:
+        """Every session whose TTL deadline is still ahead, across tenants.
+
+        Answered from a mirror this store keeps in step with Redis: loaded once page by page
+        (``protected.lua``), then brought up to date by reading only the sessions changed since
+        the last call (``feed.lua``, at most ``FEED_PAGE`` per call). Redis' work per call
+        follows the changes, not the number of protected sessions (every retention worker of
+        every replica asked for all of them twice a second, ~1 s of Redis time per call at 10K).
+        Reloaded when the feed shows a gap (Redis lost data, or this replica fell behind the
+        trimmed part). Callers share one refresh.
+        """
+        async with self._mirror_lock:
+            await self._refresh()
+        heap, mirror = self._deadlines, self._mirror
+        while heap and heap[0][0] <= now:  # deadlines passed: a new one comes back by the feed
+            _, _, key, session = heapq.heappop(heap)
+            if mirror.get(key) is session:
+                del mirror[key]
+                self._listed = None
+        if self._listed is None:
+            self._listed = list(mirror.values())
+        return self._listed
+
+    def _mirror_set(self, key: tuple[str, str], session: Session | None) -> None:
+        """Record a session read from Redis (None: gone) in the mirror."""
+        self._listed = None
+        if session is None:
+            self._mirror.pop(key, None)
+            return
+        self._mirror[key] = session
+        heapq.heappush(self._deadlines, (session.ttl_until, next(self._order), key, session))
+        if len(self._deadlines) > 2 * len(self._mirror) + 1024:  # entries of replaced rows
+            self._heapify()
+
+    def _heapify(self) -> None:
+        self._deadlines = [(s.ttl_until, next(self._order), k, s) for k, s in self._mirror.items()]
+        heapq.heapify(self._deadlines)
+
+    async def _refresh(self) -> None:
+        reply = await self._feed(self._cursor if self._loaded else -1)
+        seq, floor = int(reply[0]), int(reply[1])
+        if not self._loaded or seq < self._cursor or self._cursor < floor:
+            await self._load(seq)
+            return
+        width = 2 + len(_BRIEF)
+        rows = reply[2:]
+        for i in range(0, len(rows), width):
+            member, score, *fields = rows[i : i + width]
+            tenant, _, sid = _text(member).partition(SEP)
+            gone = fields[0] is None  # freed, or no longer there
+            self._mirror_set((tenant, sid), None if gone else _brief((tenant.encode(), *fields)))
+            self._cursor = max(self._cursor, int(score))
+            if i % (128 * width) == 128 * width - width:
+                await asyncio.sleep(0)  # many changes: the data plane runs in between
+        if len(rows) < FEED_PAGE * width:
+            self._cursor = max(self._cursor, seq)  # read everything up to seq
+
+    async def _feed(self, after: int) -> list[Any]:
+        keys = [self.feed_key, self.feed_seq_key, f"{self.ns}:chgfloor"]
+        args: list[str | int] = [after, FEED_PAGE, FEED_MAX, self.ns, *_BRIEF]
+        return list(await self._call(lambda: self.scripts.call("feed", keys, args)))
+
+    async def _page(self, now: float, offset: int) -> list[Any]:
+        args: list[str | int] = [repr(now), LOAD_PAGE, self.ns, offset, *_BRIEF]
+        return list(
+            await self._call(lambda: self.scripts.call("protected", [self.deadlines_key], args))
+        )
+
+    async def _load(self, seq: int) -> None:
+        """(Re)load the mirror page by page; changes made meanwhile come after ``seq``."""
+        mirror: dict[tuple[str, str], Session] = {}
+        width, offset, now = 1 + len(_BRIEF), 0, time.time()
+        while True:
+            flat = await self._page(now, offset)
+            for i in range(0, len(flat), width):
+                session = _brief(flat[i : i + width])
+                mirror[(session.tenant, session.session_id)] = session
+            if len(flat) < LOAD_PAGE * width:
+                break
+            offset += LOAD_PAGE
+            await asyncio.sleep(0)
+        self._mirror, self._cursor, self._loaded = mirror, seq, True
+        self._heapify()
+        self._listed = None
+        self.mirror_loads += 1
 
     async def set_blocks(self, tenant: str, sid: str, blocks: bytes) -> None:
         """The session's block-hash list (packed 8-byte ints), for residency lookups."""

@@ -34,11 +34,13 @@ else
 end
 local idx = prefix .. ':idx:' .. tenant
 local dl = prefix .. ':dl'
+local feed, seq = prefix .. ':chg', prefix .. ':chgseq'
 for _, sid in ipairs(order) do
   local parent = redis.call('HGET', key('s', sid), 'parent')
   if parent then redis.call('SREM', key('ch', parent), sid) end
   redis.call('DEL', key('s', sid), key('ch', sid), key('ctx', sid), key('blk', sid))
   redis.call('ZREM', idx, sid)
   redis.call('ZREM', dl, tenant .. '\31' .. sid)
+  redis.call('ZADD', feed, redis.call('INCR', seq), tenant .. '\31' .. sid)
 end
 return order

@@ -1,5 +1,5 @@
 -- Change a session's protection from an edit or an admin call.
--- KEYS[1] session hash  KEYS[2] deadline ZSET
+-- KEYS[1] session hash  KEYS[2] deadline ZSET  KEYS[3] change feed ZSET  KEYS[4] feed sequence
 -- ARGV[1] now  ARGV[2] ttl seconds (0 = stop protecting)  ARGV[3] new state or ""
 -- ARGV[4] deadline member  ARGV[5] "1" = forget engine affinity (dead for routing)
 -- Returns 1 when the session exists.
@@ -15,4 +15,5 @@ else
 end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[3]) end
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'engine') end
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), ARGV[4])
 return 1

@@ -3,6 +3,7 @@
 -- another request has used it since (requests > 1, or a completion recorded).
 -- KEYS[1] session hash  KEYS[2] tenant index ZSET  KEYS[3] deadline ZSET
 -- KEYS[4] own children SET  KEYS[5] own context STRING  KEYS[6] parent's children SET or ""
+-- KEYS[7] change feed ZSET  KEYS[8] feed sequence
 -- ARGV[1] sid  ARGV[2] deadline member
 -- Returns 1 when the session was removed.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -12,5 +13,6 @@ if redis.call('SCARD', KEYS[4]) > 0 then return 0 end
 redis.call('DEL', KEYS[1], KEYS[4], KEYS[5])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[7], redis.call('INCR', KEYS[8]), ARGV[2])
 if KEYS[6] ~= '' then redis.call('SREM', KEYS[6], ARGV[1]) end
 return 1

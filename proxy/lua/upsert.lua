@@ -3,6 +3,7 @@
 -- KEYS[1] session hash      KEYS[2] tenant index ZSET (sid by last_seen)   KEYS[3] deadline ZSET
 -- KEYS[4] parent hash ("" when no parent)   KEYS[5] parent's children SET ("" when no parent)
 -- KEYS[6] tenants SET       KEYS[7] own children SET   KEYS[8] own context STRING
+-- KEYS[9] change feed ZSET (deadline member by sequence)   KEYS[10] feed sequence counter
 -- ARGV[1] now  ARGV[2] sid  ARGV[3] tenant  ARGV[4] parent sid or ""  ARGV[5] agent or ""
 -- ARGV[6] ttl seconds or "" (no change)  ARGV[7] retention  ARGV[8] max sessions per tenant
 -- ARGV[9] max children  ARGV[10] safety expiry seconds  ARGV[11] deadline member  ARGV[12] stale cutoff
@@ -57,6 +58,7 @@ if parent ~= '' then
   if parent_ttl > 0 and parent_until > 0 and now + parent_ttl > parent_until then
     redis.call('HSET', KEYS[4], 'ttl_until', now + parent_ttl)
     redis.call('ZADD', KEYS[3], now + parent_ttl, ARGV[3] .. '\31' .. parent)
+    redis.call('ZADD', KEYS[9], redis.call('INCR', KEYS[10]), ARGV[3] .. '\31' .. parent)
   end
 end
 redis.call('HSET', KEYS[1], 'last_seen', now, 'state', 'active', 'retention', ARGV[7])
@@ -74,6 +76,10 @@ if ARGV[6] ~= '' then
   end
 end
 redis.call('ZADD', KEYS[2], now, ARGV[2])
+-- the retention workers follow protected sessions through the change feed (store.protected)
+if ARGV[6] ~= '' or tonumber(redis.call('HGET', KEYS[1], 'ttl_until') or '0') > 0 then
+  redis.call('ZADD', KEYS[9], redis.call('INCR', KEYS[10]), ARGV[11])
+end
 redis.call('EXPIRE', KEYS[1], expiry)
 redis.call('EXPIRE', KEYS[2], expiry)
 redis.call('EXPIRE', KEYS[7], expiry)

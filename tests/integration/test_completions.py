@@ -138,3 +138,43 @@ async def test_protected_reuses_rows_that_did_not_change(
     finally:
         await store.aclose()
         await store.redis.aclose()
+
+
+async def _hmgets(redis: Redis) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_hmget", {}).get("calls", 0))
+
+
+async def test_protected_reads_only_what_changed(redis_server: RedisServer, namespace: str) -> None:
+    """After the first load, a call reads only the sessions changed since the last one: Redis'
+    work per tick is independent of the number of idle protected sessions (issue 29)."""
+    store = _store(redis_server.url, namespace)
+    try:
+        now = time.time()
+        await asyncio.gather(
+            *(store.upsert("t", Hint(session_id=f"s{i}", ttl_s=300), now) for i in range(3000))
+        )
+        assert len(await store.protected(time.time())) == 3000
+        assert store.mirror_loads == 1
+        for idle in (0, 1):  # nothing changed, then five sessions changed
+            before = await _hmgets(store.redis)
+            for i in range(5 * idle):
+                await store.protect("t", f"s{i}", time.time(), 600)
+            got = {s.session_id: s for s in await store.protected(time.time())}
+            assert await _hmgets(store.redis) - before == 5 * idle  # not 3000
+            assert len(got) == 3000 and store.mirror_loads == 1
+        assert got["s0"].ttl == 600 and got["s9"].ttl == 300
+        # dropped protection, a free and an expiry leave the mirror through the feed too
+        await store.protect("t", "s1", time.time(), 0)
+        await store.free("t", "s2")
+        await store.protect("t", "s3", time.time() - 700, 600)  # its deadline already passed
+        got = {s.session_id: s for s in await store.protected(time.time())}
+        assert len(got) == 2997 and not {"s1", "s2", "s3"} & set(got)
+        # Redis lost its data: the feed's sequence went back, the mirror is reloaded (empty)
+        await store.redis.delete(*await store.redis.keys(f"{namespace}:*"))
+        await store.upsert("t", Hint(session_id="new", ttl_s=300), time.time())
+        assert [s.session_id for s in await store.protected(time.time())] == ["new"]
+        assert store.mirror_loads == 2
+    finally:
+        await store.aclose()
+        await store.redis.aclose()

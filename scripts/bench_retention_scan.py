@@ -80,12 +80,7 @@ async def _measure(url: str, n: int, changed: float, ticks: int) -> dict[str, An
     return out
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sessions", type=int, nargs="+", default=[10_000, 20_000])
-    ap.add_argument("--changed", type=float, default=0.01, help="share renewed per tick")
-    ap.add_argument("--ticks", type=int, default=10)
-    args = ap.parse_args()
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     with tempfile.TemporaryDirectory() as logs:
         async with start_redis(Path(logs)) as url:
@@ -101,10 +96,19 @@ async def main() -> None:
                     f"first load {r['mirror_load_ms']:.0f} ms",
                     flush=True,
                 )
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[10_000, 20_000])
+    ap.add_argument("--changed", type=float, default=0.01, help="share renewed per tick")
+    ap.add_argument("--ticks", type=int, default=10)
+    results = asyncio.run(run(ap.parse_args()))
     out = Path("results/retention_scan.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -43,14 +45,19 @@ class Metrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # process_* (CPU, memory, open fds, start time), python_info and python_gc_*, as the
         # default registry of prometheus_client would export them
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
+        # with worker processes these stay per process; the rest is summed over the workers
+        self._local = CollectorRegistry()
+        for collector in (ProcessCollector(registry=r), PlatformCollector(registry=r)):
+            self._local.register(collector)
         r.register(GC_COLLECTOR)
+        self._local.register(GC_COLLECTOR)
         self.build_info = Info("kvkeeper_build", "kvkeeper's version and Python", registry=r)
+        self._local.register(self.build_info)
         self.build_info.info({"version": kvkeeper_version(), "python": platform.python_version()})
         self.redis_up = Gauge(
             "kvkeeper_redis_up",
             "Session store reachable (1) or not (0), from the last ping or store call",
+            multiprocess_mode="livemin",
             registry=r,
         )
         self.hash_check = Gauge(
@@ -58,6 +65,7 @@ class Metrics:
             "Block-hash self-check per engine: 1 kvkeeper's hashes match the engine's KV "
             "events, 0 mismatch (residency tracking off, feedback mode), -1 not checked yet",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.requests = Counter(
@@ -152,10 +160,18 @@ class Metrics:
             registry=r,
         )
         self.engine_up = Gauge(
-            "kvkeeper_engine_up", "Engine health (1 up, 0 down)", ["engine"], registry=r
+            "kvkeeper_engine_up",
+            "Engine health (1 up, 0 down)",
+            ["engine"],
+            multiprocess_mode="livemin",
+            registry=r,
         )
         self.inflight = Gauge(
-            "kvkeeper_inflight_requests", "Requests in flight per engine", ["engine"], registry=r
+            "kvkeeper_inflight_requests",
+            "Requests in flight per engine",
+            ["engine"],
+            multiprocess_mode="livesum",
+            registry=r,
         )
         # retention (issue 4): touches and warm-ups and what they recomputed
         self.touches = Counter(
@@ -185,12 +201,14 @@ class Metrics:
             "kvkeeper_retention_credit_tokens",
             "Recompute credit left to touches and warm-ups (retention.max_overhead_share)",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.horizon = Gauge(
             "kvkeeper_retention_horizon_seconds",
             "Estimated time an unused block survives in the engine's cache (+Inf: unknown yet)",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.offloads = Counter("kvkeeper_offloads", "Sessions offloaded to a tier", registry=r)
@@ -204,18 +222,21 @@ class Metrics:
             "kvkeeper_tier_pinned_sessions",
             "Protected sessions pinned in the engine's offload tier",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.tier_pinned_anchors = Gauge(
             "kvkeeper_tier_pinned_anchors",
             "Agent anchors pinned in the engine's offload tier",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.tier_pinned_chunks = Gauge(
             "kvkeeper_tier_pinned_chunks",
             "Chunks pinned in the engine's offload tier (shared chunks counted per pin)",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
         self.prefetches = Counter("kvkeeper_prefetches", "Prefetch warm-ups run", registry=r)
@@ -232,12 +253,17 @@ class Metrics:
             registry=r,
         )
         self.protected_sessions = Gauge(
-            "kvkeeper_protected_sessions", "Sessions currently protected", ["engine"], registry=r
+            "kvkeeper_protected_sessions",
+            "Sessions currently protected",
+            ["engine"],
+            multiprocess_mode="livemax",
+            registry=r,
         )
         self.protected_blocks = Gauge(
             "kvkeeper_protected_blocks",
             "Distinct blocks currently protected",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=r,
         )
 
@@ -250,4 +276,10 @@ class Metrics:
         return found
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not folder:
+            return generate_latest(self.registry)
+        # worker processes (proxy/workers.py): every worker's values from the shared folder
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=folder)  # type: ignore[no-untyped-call]
+        return generate_latest(merged) + generate_latest(self._local)

@@ -8,6 +8,7 @@ import errno
 import gc
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from proxy.logs import configure_logging
 from proxy.settings import ConfigError, Settings, load_settings
+from proxy.workers import Supervisor, probe_port, worker_count
 
 log = logging.getLogger("kvkeeper.serve")
 
@@ -51,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=("text", "json"),
         help="log lines as text or one JSON object each (default text)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="processes sharing the port (default: the usable cores, at most 4)",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "tenants_file": args.tenants_file,
         "log_level": args.log_level,
         "log_format": args.log_format,
+        "workers": args.workers,
     }
     if args.engine:
         events = args.engine_events or []
@@ -86,6 +94,36 @@ async def _freeze_startup_objects(app: web.Application) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"kvkeeper serve: error: {exc}", file=sys.stderr)
+        return 2
+    # an ephemeral port (0) cannot be shared: one process
+    count = worker_count(settings.workers) if settings.port else 1
+    if count == 1:
+        return serve(settings)
+    configure_logging(settings.log_level, settings.log_format)
+    try:  # the port, checked once here: a busy one is one error line, not one per worker
+        probe_port(settings.host, settings.port)
+    except OSError as exc:
+        where = f"http://{settings.host}:{settings.port}"
+        print(f"kvkeeper serve: error: cannot listen on {where}: {_reason(exc)}", file=sys.stderr)
+        return 1
+    return Supervisor(
+        settings, count, lambda: print(f"{_listening(settings)} ({count} workers)", flush=True)
+    ).run()
+
+
+def _listening(settings: Settings) -> str:
+    engines = ", ".join(e.url for e in settings.engines)
+    return f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}"
+
+
+def serve(
+    settings: Settings, *, reuse_port: bool = False, on_ready: Callable[[], None] | None = None
+) -> int:
+    """Serve until a signal; one process. ``reuse_port`` for a worker sharing the port (which
+    then calls ``on_ready`` once it listens instead of printing the address)."""
+    try:
         from proxy.app import create_app, server_options
 
         app = create_app(settings)
@@ -94,8 +132,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     app.on_startup.append(_freeze_startup_objects)
-    engines = ", ".join(e.url for e in settings.engines)
     where = f"http://{settings.host}:{settings.port}"
+
+    def listening(_: object) -> None:  # called once the socket is bound (after start-up)
+        if on_ready is not None:
+            on_ready()
+        else:
+            print(_listening(settings), flush=True)
+
     try:  # uvloop: a faster event loop where available (Linux, macOS)
         import uvloop
 
@@ -107,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
             app,
             host=settings.host,
             port=settings.port,
+            reuse_port=reuse_port or None,
             handler_cancellation=True,  # a client that goes away cancels its upstream request
             **server_options(settings),
             access_log=None,  # proxy/access.py logs every request instead
-            # printed once the socket is bound (after start-up)
-            print=lambda _: print(f"kvkeeper listening on {where} -> {engines}", flush=True),
+            print=listening,
         )
     except OSError as exc:  # the port is taken, the address is not ours ...
         log.debug("start-up failed", exc_info=True)

@@ -210,6 +210,8 @@ class Settings(BaseSettings):
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"  # JSON: one object per line (proxy/logs.py)
+    # processes sharing the port (proxy/workers.py); None = the usable cores, at most 4
+    workers: int | None = Field(default=None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -39,7 +39,7 @@ _RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]{1,256})(?:/.*)?$")
 _PREVIOUS = re.compile(rb'"previous_response_id"\s*:\s*"([^"\\]{1,256})"')
 # routes whose body is in another dialect's shape than their path says
 _DIALECT_OF = {"/v1/messages/count_tokens": "/v1/messages"}
-_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 _OWN_PREFIXES = ("/admin/", "/ui/")  # kvkeeper's own trees: never sent to an engine
 
 

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from proxy import jsonio
 from proxy.store import Usage
 
@@ -36,10 +38,13 @@ def ask_for_usage(route: str, body: bytes, parsed: dict[str, Any] | None) -> byt
     if b'"stream_options"' in body:
         return None
     if parsed is None:  # "stream": true may be a nested key: only the top level counts
-        try:
-            parsed = jsonio.loads(body)
-        except ValueError:
-            return None
+        try:  # orjson alone: the values are only looked at, never written back
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            try:
+                parsed = jsonio.loads(body)
+            except ValueError:
+                return None
     if not isinstance(parsed, dict) or parsed.get("stream") is not True:
         return None
     start = body.find(b"{")

@@ -79,6 +79,8 @@ async def test_side_routes_relayed_byte_for_byte(redis_server: RedisServer, name
             resp = await st.client.request(method, path, json=body)
             assert (resp.status, await resp.read()) == (status, direct), path
             assert resp.headers["X-KVKeeper-Engine"] == st.name(0)
+        resp = await st.client.head("/health")
+        assert resp.status == 200 and await resp.read() == b""
         resp = await st.client.get("/v1/models/sim")
         assert resp.status == 200 and (await resp.json())["id"] == "sim"
         # kvkeeper's own trees are never sent to an engine

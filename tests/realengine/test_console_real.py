@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.console_models import ConsoleEngines, ForestPage
+from proxy.console_models import ConsoleEngines, ForestPage, SessionDetail
 from tests.helpers.redis_server import RedisServer
 from tests.integration.console_fixtures import browser
 from tests.realengine.conftest import VLLMEngine
@@ -65,6 +65,9 @@ async def test_console_on_the_real_engine(
         assert w1.display_state == "protected" and 0 < w1.ttl_left_s <= 120
         assert w1.counters.requests == 2 and w1.counters.hit_rate and w1.counters.hit_rate > 0.4
         assert w1.blocks and w1.gpu_blocks == w1.blocks and w1.engine
+        resp = await client.get("/admin/console/sessions/w1", headers=ADMIN)
+        detail = SessionDetail.model_validate(await resp.json())
+        assert detail.residency[w1.engine]["GPU"] == w1.blocks and detail.children == ["w1-x"]
 
         async def sampled() -> bool:
             resp = await client.get("/admin/console/engines", headers=ADMIN)

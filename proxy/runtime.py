@@ -144,12 +144,12 @@ class Runtime:
         self, tenant: str, hint: Hint, registering: asyncio.Task[Registration]
     ) -> None:
         """The request failed upstream: a session its registration created is removed again
-        (kept if another request has used it meanwhile)."""
+        (kept if another request has used it meanwhile); a kept one is not left ``active``."""
         reg = await registering
-        if reg.upserted is None or not reg.upserted.created or self.store is None:
+        if reg.upserted is None or self.store is None:
             return
         with contextlib.suppress(StoreDown):
-            if await self.store.unregister(tenant, hint):
+            if await self.store.unregister(tenant, hint, time.time()):
                 self.metrics.child(self.metrics.hint_outcomes, "unregistered", "").inc()
 
     def _with_buffered(self, tenant: str, hint: Hint, up: Upserted) -> Upserted:

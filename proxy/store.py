@@ -346,9 +346,9 @@ class SessionStore:
             int(_text(last_prompt)),
         )
 
-    async def unregister(self, tenant: str, hint: Hint) -> bool:
+    async def unregister(self, tenant: str, hint: Hint, now: float) -> bool:
         """Undo the session ``upsert`` created for a request that then failed upstream; False
-        when another request has used it since (it is kept)."""
+        when another request has used it since (it is kept, and no longer ``active``)."""
         sid, parent = hint.session_id, hint.parent_session_id or ""
         keys = [
             self.key("s", tenant, sid),
@@ -360,7 +360,7 @@ class SessionStore:
             self.feed_key,
             self.feed_seq_key,
         ]
-        args: list[str | int] = [sid, f"{tenant}{SEP}{sid}"]
+        args: list[str | int | float] = [sid, f"{tenant}{SEP}{sid}", now]
         return bool(await self._call(lambda: self.scripts.call("unregister", keys, args)))
 
     async def record_completions(

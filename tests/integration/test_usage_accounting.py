@@ -89,3 +89,32 @@ async def test_errors_on_messages_routes_are_anthropic_shaped(
         kind = {502: "api_error", 503: "overloaded_error"}[resp.status]
         assert body["type"] == "error" and body["error"]["type"] == kind
         assert "no engine" in body["error"]["message"]
+
+
+async def test_a_failed_request_leaves_an_existing_session_as_it_was(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        for sid, ttl in (("plain", None), ("kept", 300)):
+            hint: dict[str, Any] = {"session_id": sid}
+            if ttl is not None:
+                hint["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+            ok = await st.client.post("/v1/chat/completions", json={**CHAT, "agent_hint": hint})
+            assert ok.status == 200
+            await ok.read()
+            before = await _counters(st, sid)
+            failed = await st.client.post(
+                "/v1/chat/completions",
+                json={**CHAT, "model": "error", "agent_hint": {"session_id": sid}},
+            )
+            assert failed.status == 400
+            assert failed.headers["X-KVKeeper-Hint"] == "rejected; reason=upstream_status_400"
+            want = "idle" if ttl is None else "protected"
+            for _ in range(100):  # the failure is settled off the hot path
+                got = await st.client.get(f"/admin/sessions/{sid}", headers=ADMIN_HEADERS)
+                session = await got.json()
+                if session["state"] == want:
+                    break
+                await asyncio.sleep(0.02)
+            assert session["state"] == want, session
+            assert session["counters"]["prompt_tokens"] == before["prompt_tokens"]

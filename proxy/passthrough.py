@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
+from collections import OrderedDict
 
 from aiohttp import ClientResponse, web
 from redis.exceptions import RedisError
@@ -44,14 +46,27 @@ _OWN_PREFIXES = ("/admin/", "/ui/")  # kvkeeper's own trees: never sent to an en
 
 
 class ResponseMap:
-    """Responses API ids -> the engine that stored them, in Redis with a TTL (fail open)."""
+    """Responses API ids -> the engine that stored them, in Redis with a TTL (fail open).
+
+    The newest ids are also kept in this process: a client continuing a response the moment it
+    arrived must not race the Redis write (other kvkeeper replicas read Redis)."""
+
+    RECENT = 10_000  # ids kept in memory
 
     def __init__(self, store: SessionStore, ttl_s: float) -> None:
         self.store = store
         self.ttl_s = ttl_s
+        self._recent: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
     def _key(self, tenant: str, response_id: str) -> str:
         return self.store.key("resp", tenant, response_id)
+
+    def note(self, tenant: str, response_id: str, engine: str) -> None:
+        """Remember in this process at once (no I/O); :meth:`remember` writes Redis."""
+        self._recent[(tenant, response_id)] = (engine, time.monotonic() + self.ttl_s)
+        self._recent.move_to_end((tenant, response_id))
+        while len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
 
     async def remember(self, tenant: str, response_id: str, engine: str) -> None:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
@@ -60,6 +75,9 @@ class ResponseMap:
             )
 
     async def engine_of(self, tenant: str, response_id: str) -> str | None:
+        recent = self._recent.get((tenant, response_id))
+        if recent is not None and recent[1] > time.monotonic():
+            return recent[0]
         try:
             raw = await self.store.redis.get(self._key(tenant, response_id))
         except (RedisError, OSError, TimeoutError):
@@ -97,6 +115,7 @@ def remember_response(request: web.Request, tenant: str, response_id: str, engin
     """Record where a new response lives (off the hot path)."""
     responses = request.app.get(RESPONSES)
     if responses is not None:
+        responses.note(tenant, response_id, engine)
         request.app[RUNTIME].spawn(responses.remember(tenant, response_id, engine))
 
 

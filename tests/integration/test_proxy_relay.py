@@ -25,13 +25,16 @@ from tests.integration.proxy_fixtures import ADMIN, ADMIN_HEADERS
 class Pair:
     client: TestClient[Any, Any]
     sims: list[Simulator]
+    clients: list[TestClient[Any, Any]]
 
     def name(self, i: int) -> str:
         return self.sims[i].url.removeprefix("http://")
 
 
 @asynccontextmanager
-async def relay_stack(redis_url: str, namespace: str, n: int = 2) -> AsyncIterator[Pair]:
+async def relay_stack(
+    redis_url: str, namespace: str, n: int = 2, proxies: int = 1
+) -> AsyncIterator[Pair]:
     async with AsyncExitStack() as stack:
         sims = [
             await stack.enter_async_context(
@@ -48,10 +51,13 @@ async def relay_stack(redis_url: str, namespace: str, n: int = 2) -> AsyncIterat
             health_interval_s=60,
             retention={"enabled": False},
         )
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
-        await client.start_server()
-        stack.push_async_callback(client.close)
-        yield Pair(client, sims)
+        clients: list[TestClient[Any, Any]] = []
+        for _ in range(proxies):  # kvkeeper replicas sharing one Redis
+            client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
+            await client.start_server()
+            stack.push_async_callback(client.close)
+            clients.append(client)
+        yield Pair(clients[0], sims, clients)
 
 
 async def _direct(method: str, url: str, body: Any = None) -> tuple[int, bytes]:
@@ -178,3 +184,25 @@ async def test_sim_stream_without_usage_keeps_vllms_shape_and_counts(
             await asyncio.sleep(0.02)
         else:
             raise AssertionError("the session's counters never saw the stream's usage")
+
+
+async def test_another_kvkeeper_replica_finds_the_response_through_redis(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with relay_stack(redis_server.url, namespace, proxies=2) as st:
+            rid = ""
+            for turn in range(6):  # alternate replicas: each continuation crosses over
+                body: dict[str, Any] = {"model": "sim", "input": f"turn {turn} " * 20}
+                if rid:
+                    body["previous_response_id"] = rid
+                    for _ in range(50):  # the write to Redis runs off the request path
+                        if await r.exists(f"{namespace}:resp:default:{rid}"):
+                            break
+                        await asyncio.sleep(0.02)
+                resp = await st.clients[turn % 2].post("/v1/responses", json=body)
+                assert resp.status == 200, await resp.text()  # the other engine answers 404
+                rid = (await resp.json())["id"]
+    finally:
+        await r.aclose()

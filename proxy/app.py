@@ -16,6 +16,7 @@ from adapters.base import CacheConfig
 from adapters.lmcache import LMCacheAdapter, LMCacheConfig
 from adapters.vllm import EventEndpoints, VLLMAdapter
 from policy.admission import admission_priority
+from proxy import redisconn
 from proxy.access import access_log
 from proxy.admin import add_admin_routes
 from proxy.auth import TenantMap
@@ -50,7 +51,7 @@ REDIS_TIMEOUT_S = 0.5
 
 
 def open_redis(url: str) -> Redis:
-    return Redis.from_url(
+    return redisconn.open_redis(
         url,
         socket_timeout=REDIS_TIMEOUT_S,
         socket_connect_timeout=REDIS_TIMEOUT_S,

@@ -44,7 +44,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="KV-event endpoint (tcp://host:port) of the i-th --engine, repeatable",
     )
     p.add_argument(
-        "--redis", metavar="URL", help="redis://host:port/db (default: embedded private Redis)"
+        "--redis",
+        metavar="URL",
+        help="redis://host:port/db, or redis+sentinel://host:port[,host:port]/service "
+        "(default: embedded private Redis)",
     )
     p.add_argument("--tenants-file", type=Path, help="YAML file mapping API keys to tenants")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING ... (default INFO)")

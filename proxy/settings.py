@@ -19,6 +19,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from proxy.redisconn import SCHEMES, SENTINEL_SCHEMES, parse_sentinel_url
+
 
 class ConfigError(Exception):
     """Settings that cannot start the service; the message says which and why."""
@@ -217,12 +219,13 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if not self.engines:
             raise ValueError("at least one engine is required (--engine http://host:port)")
-        if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
+        if self.redis_url is not None and not self.redis_url.startswith(SCHEMES):
             raise ValueError(
-                f"redis url must be redis://, rediss:// or unix://, got {self.redis_url!r}"
+                "redis url must be redis://, rediss://, unix:// or "
+                f"redis+sentinel://host:port[,host:port]/service, got {self.redis_url!r}"
             )
+        if self.redis_url is not None and self.redis_url.startswith(SENTINEL_SCHEMES):
+            parse_sentinel_url(self.redis_url)  # a ValueError says what is wrong
         if self.limits.default_ttl_s > self.limits.max_ttl_s:
             raise ValueError("limits.default_ttl_s must not exceed limits.max_ttl_s")
         return self

@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -104,8 +105,8 @@ class SentinelSet:
     def master_port_now(self) -> int:
         client = redis.Redis(port=self.sentinels[-1].port, socket_timeout=0.5)
         try:
-            _, port = client.sentinel_get_master_addr_by_name(self.service)
-            return int(port)
+            addr: Any = client.sentinel_get_master_addr_by_name(self.service)
+            return int(addr[1])
         finally:
             client.close()
 

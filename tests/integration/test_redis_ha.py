@@ -51,7 +51,8 @@ async def test_sentinel_failover_under_load(sentinels: SentinelSet) -> None:
         await store.save_tier_pin("e0", "default", "kept-0", b"pin-payload")
         fence = await store.lease("engine:x", "replica-a", 300)
         master = redis.Redis(port=sentinels.master_port, socket_timeout=2)
-        assert master.execute_command("WAIT", 1, 2000) == 1  # the replica has all of it
+        synced = master.execute_command("WAIT", 1, 2000)  # type: ignore[no-untyped-call]
+        assert synced == 1  # the replica has all of it
         master.close()
 
         stop = asyncio.Event()

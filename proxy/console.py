@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
@@ -26,6 +27,8 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 from redis import exceptions as redis_errors
 
 from proxy.admin import admin_route
@@ -344,22 +347,35 @@ def _view(
 
 
 # --- engines and their time series ------------------------------------------------------------
-def _by_label(metric: Any, label: str, value: str, key: str, suffix: str = "") -> dict[str, float]:
-    """``{key label value: sample}`` of ``metric``'s series whose ``label`` is ``value``."""
-    out: dict[str, float] = {}
-    for family in metric.collect():
-        for sample in family.samples:
-            if (
-                sample.name.endswith(suffix)
-                and not sample.name.endswith("_created")  # a timestamp, not a count
-                and sample.labels.get(label) == value
-            ):
-                out[sample.labels.get(key, "")] = sample.value
-    return out
+class _Samples:
+    """The current samples of some metrics: this process's, or with worker processes
+    (``PROMETHEUS_MULTIPROC_DIR``, ``serve --workers``) every worker's, as /metrics sums them."""
 
+    def __init__(self, metrics: Iterable[Any]) -> None:
+        wanted = list(metrics)
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder:
+            names = {f.name for m in wanted for f in m.describe()}
+            merged = MultiProcessCollector(CollectorRegistry(), path=folder)  # type: ignore[no-untyped-call]
+            collected = merged.collect()  # type: ignore[no-untyped-call]
+            families = [f for f in collected if f.name in names]
+        else:
+            families = [f for m in wanted for f in m.collect()]
+        self.samples = [
+            s for f in families for s in f.samples if not s.name.endswith("_created")
+        ]  # _created: a timestamp, not a count
 
-def _total(metric: Any, engine: str, suffix: str = "") -> float:
-    return sum(_by_label(metric, "engine", engine, "engine", suffix).values())
+    def by(self, name: str, engine: str, key: str = "engine") -> dict[str, float]:
+        """``{value of label key: sum}`` of sample ``name``'s series on ``engine``."""
+        out: dict[str, float] = {}
+        for s in self.samples:
+            if s.name == name and s.labels.get("engine") == engine:
+                k = s.labels.get(key, "")
+                out[k] = out.get(k, 0.0) + s.value
+        return out
+
+    def total(self, name: str, engine: str) -> float:
+        return sum(self.by(name, engine).values())
 
 
 @dataclass
@@ -380,14 +396,17 @@ class Series:
 
     def sample(self, rt: Runtime, now: float) -> None:
         m = rt.metrics
+        got = _Samples(
+            (m.engine_requests, m.engine_prompt_tokens, m.engine_cached_tokens, m.engine_ttft)
+        )
         for engine in rt.pool.engines:
             name = engine.name
             cur = _Last(
-                _total(m.engine_requests, name),
-                _total(m.engine_prompt_tokens, name),
-                _total(m.engine_cached_tokens, name),
-                _total(m.engine_ttft, name, "_sum"),
-                _total(m.engine_ttft, name, "_count"),
+                got.total("kvkeeper_engine_requests_total", name),
+                got.total("kvkeeper_engine_prompt_tokens_total", name),
+                got.total("kvkeeper_engine_cached_tokens_total", name),
+                got.total("kvkeeper_engine_ttft_seconds_sum", name),
+                got.total("kvkeeper_engine_ttft_seconds_count", name),
             )
             prev = self.last.get(name)
             self.last[name] = cur
@@ -413,7 +432,9 @@ class Series:
 CONSOLE_SERIES = web.AppKey("console_series", Series)
 
 
-def _engine(rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | None) -> ConsoleEngine:
+def _engine(
+    rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | None, got: _Samples
+) -> ConsoleEngine:
     e = rt.pool.by_name[name]
     view = rt.retention.engine_view(name, tenant) if rt.retention is not None else {}
     es = rt.retention.engines.get(name) if rt.retention is not None else None
@@ -421,7 +442,6 @@ def _engine(rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | Non
     over = view.get("overhead")
     tier = view.get("tier_pinned")
     served = [p for p in series if p.hit_rate is not None]
-    m = rt.metrics
     return ConsoleEngine(
         name=name,
         url=e.url,
@@ -444,7 +464,7 @@ def _engine(rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | Non
             else None
         ),
         resident_blocks=view.get("resident_blocks", {}),
-        protected_sessions=int(_total(m.protected_sessions, name)),
+        protected_sessions=int(got.total("kvkeeper_protected_sessions", name)),
         credit=(
             RetentionCredit(
                 max_share=over["max_share"],
@@ -455,9 +475,9 @@ def _engine(rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | Non
             if isinstance(over, dict)
             else None
         ),
-        touches={k: int(v) for k, v in _by_label(m.touches, "engine", name, "outcome").items()},
+        touches={k: int(v) for k, v in got.by("kvkeeper_touches_total", name, "outcome").items()},
         anchor_touches={
-            k: int(v) for k, v in _by_label(m.anchor_touches, "engine", name, "outcome").items()
+            k: int(v) for k, v in got.by("kvkeeper_anchor_touches_total", name, "outcome").items()
         },
         tier=TierPins(**tier) if isinstance(tier, dict) else None,
         hit_rate=(
@@ -472,11 +492,14 @@ async def engines(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     who = rt.tenants.principal(request.headers, rt.settings.admin_token)
     points = request.app[CONSOLE_SERIES].points
+    m = rt.metrics
+    got = _Samples((m.protected_sessions, m.touches, m.anchor_touches))
     body = ConsoleEngines(
         now=time.time(),
         sample_every_s=SAMPLE_EVERY_S,
         engines=[
-            _engine(rt, e.name, list(points.get(e.name, ())), who.tenant) for e in rt.pool.engines
+            _engine(rt, e.name, list(points.get(e.name, ())), who.tenant, got)
+            for e in rt.pool.engines
         ],
     )
     return web.json_response(text=body.model_dump_json())

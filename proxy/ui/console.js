@@ -150,6 +150,7 @@ async function loadEngines() {
     return `<div class="engine" data-engine="${esc(e.name)}">` +
       `<h3><span><span class="dot ${e.healthy ? "up" : "down"}"></span>${esc(e.name)}</span><span class="muted">${e.healthy ? "healthy" : esc(e.last_error || "down")}</span></h3>` +
       '<dl class="kv">' +
+      (e.leader === false ? '<dt>driven by</dt><dd class="muted">another worker or replica (horizon, pool and residency are its to see)</dd>' : "") +
       `<dt>load</dt><dd>${num(e.inflight)} in flight${e.load ? `, ${num(e.load.running)} running, ${num(e.load.waiting)} waiting` : ""}</dd>` +
       `<dt>pool</dt><dd>${pct(use)} of ${num(e.load && e.load.pool_blocks)} blocks</dd>` +
       `<dt>LRU horizon</dt><dd>${e.horizon_s == null ? "–" : e.horizon_s.toFixed(1) + " s"} <span class="muted">from ${esc(e.horizon_source || "–")}</span></dd>` +

@@ -36,6 +36,7 @@ from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
+from proxy.prefix_share import PrefixShare
 from proxy.retention import EngineState, Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
@@ -192,6 +193,16 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt
+        subscriber: Redis | None = None
+        if settings.placement.share and len(settings.engines) > 1:
+            # its own client: a subscription holds its connection, and waits longer than a call
+            subscriber = Redis.from_url(
+                url, socket_connect_timeout=REDIS_TIMEOUT_S, health_check_interval=15
+            )
+            rt.prefix_share = PrefixShare(
+                redis, subscriber, settings.namespace, rt.prefixes, pool.by_name
+            )
+            rt.prefix_share.start()
         app[RESPONSES] = ResponseMap(store, settings.response_ttl_s)
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
         stopping = asyncio.Event()
@@ -224,6 +235,10 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             if rt.retention is not None:
                 await rt.retention.stop()
             await rt.drain()
+            if rt.prefix_share is not None:
+                await rt.prefix_share.stop()
+            if subscriber is not None:
+                await subscriber.aclose()
             await rt.completions.close()
             await client.close()
             await store.aclose()

@@ -153,7 +153,7 @@ async def _forward(
     prefill = None
     if chain and order:  # recorded now: requests placed while this one waits must see them
         prefill = _Prefill(rt, order[0].name, len(body), chain)
-        rt.prefixes.insert(order[0].name, chain)
+        rt.placed(order[0].name, chain)
     try:
         sent_at = time.perf_counter()
         # a stream that did not ask for usage asks for it here (dropped again on the way back)
@@ -165,7 +165,7 @@ async def _forward(
         if prefill is not None and engine is not order[0]:  # failed over
             prefill.release()
             prefill = _Prefill(rt, engine.name, len(body), chain)
-            rt.prefixes.insert(engine.name, chain)
+            rt.placed(engine.name, chain)
     except BaseException:
         if gate is not None and ticket is not None:
             gate.leave(ticket)

@@ -36,6 +36,7 @@ from proxy.upstream import Engine, EnginePool
 if TYPE_CHECKING:
     from proxy.completions import CompletionWriter
     from proxy.longterm import LongRetention
+    from proxy.prefix_share import PrefixShare
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
@@ -65,6 +66,7 @@ class Runtime:
     completions: CompletionWriter | None = None
     dispatch: DispatchGate | None = None
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prompt chunks sent per engine
+    prefix_share: PrefixShare | None = None  # ``prefixes`` shared with the other replicas
     bytes_per_token: float = 4.0  # request body bytes per prompt token, learned from usage
     # per engine: uncached prompt tokens sent whose first byte has not come back (placement)
     prefill_pending: dict[str, float] = field(default_factory=dict)
@@ -244,6 +246,12 @@ class Runtime:
         if decision.engine is not None:
             self.metrics.child(self.metrics.placements, decision.engine, decision.reason).inc()
         return self._ordered(decision, ranked)
+
+    def placed(self, engine: str, chain: Sequence[bytes]) -> None:
+        """``chain`` is sent to ``engine``: remembered here and by every other replica."""
+        self.prefixes.insert(engine, chain)
+        if self.prefix_share is not None:
+            self.prefix_share.placed(engine, chain)
 
     @property
     def chunk_tokens(self) -> float:

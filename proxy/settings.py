@@ -184,6 +184,9 @@ class PlacementSettings(BaseModel):
     miss_weight: float = Field(default=3.0, gt=0)
     # how many of its KV cache's worth of prompt chunks the prefix index remembers per replica
     index_pool_factor: float = Field(default=1.0, gt=0)
+    # the prefix index shared by every kvkeeper replica and worker through Redis pub/sub, so
+    # they place the same prompt on the same engine (proxy/prefix_share.py)
+    share: bool = True
 
 
 class Settings(BaseSettings):

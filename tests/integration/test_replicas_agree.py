@@ -1,0 +1,74 @@
+"""Two kvkeeper replicas in front of the same engines place the same prompt on the same engine:
+the prefix index is shared through Redis (proxy/prefix_share.py). Without the share each replica
+places from what it sent itself and they disagree (the second case shows the test can fail).
+Real redis-server, two real proxy apps, two real HTTP engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.prefix_share import decode, encode
+from proxy.runtime import RUNTIME
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import Stack, proxy_stack
+from tests.integration.retention_fixtures import wait_for
+
+PROMPTS = [f"task {i}: " + f"context of agent {i}, " * 200 for i in range(6)]  # ~4 KB: 4 chunks
+
+
+async def _send(st: Stack, prompt: str) -> FakeEngine:
+    """Send ``prompt`` through ``st``; the engine that received it."""
+    before = [len(e.received) for e in st.engines]
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": prompt}]}
+    resp = await st.client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    await resp.read()
+    got = [e for e, n in zip(st.engines, before, strict=True) if len(e.received) > n]
+    assert len(got) == 1
+    return got[0]
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_two_replicas_place_the_same_prompt_on_the_same_engine(
+    redis_server: RedisServer, namespace: str, share: bool
+) -> None:
+    placement = {"placement": {"share": share}}
+    async with proxy_stack(redis_server.url, namespace, n_engines=2, overrides=placement) as a:
+        urls = [e.url for e in a.engines]
+        async with proxy_stack(
+            redis_server.url, namespace, n_engines=0, extra_engine_urls=urls, overrides=placement
+        ) as b:
+            b.engines = a.engines  # the same two engines behind both replicas
+            rt_b = b.client.app[RUNTIME]
+            if share:
+                assert rt_b.prefix_share is not None
+                await asyncio.wait_for(rt_b.prefix_share.subscribed.wait(), 10)
+            first = [await _send(a, p) for p in PROMPTS]
+            assert len({e.name for e in first}) == 2  # replica a used both engines
+            if share:  # b has learned a's placements (pub/sub, a few ms)
+                learned = rt_b.prefix_share
+
+                async def applied() -> bool:
+                    return learned is not None and learned.applied >= len(PROMPTS)
+
+                assert await wait_for(applied, within=5, step=0.01)
+            # replica b, the prompts in the other order: the same engines
+            second = {p: await _send(b, p) for p in reversed(PROMPTS)}
+            agree = [second[p] is e for p, e in zip(PROMPTS, first, strict=True)]
+            if share:
+                assert all(agree), [
+                    (e.name, second[p].name) for p, e in zip(PROMPTS, first, strict=True)
+                ]
+            else:
+                assert not all(agree)
+
+
+def test_share_message_round_trips_and_rejects_truncation() -> None:
+    chain = [bytes([i]) * 8 for i in range(3)]
+    payload = encode(b"origin01", [("http://e0:1", chain), ("e1", chain[:1])])
+    assert decode(payload) == (b"origin01", [("http://e0:1", chain), ("e1", chain[:1])])
+    with pytest.raises(ValueError, match="truncated"):
+        decode(payload[:-3])

@@ -9,7 +9,6 @@ prompt. Probes (/healthz, /readyz, /metrics) are logged at DEBUG, everything els
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -96,10 +95,5 @@ async def access_log(request: web.Request, handler: Handler) -> web.StreamRespon
                 "cached_tokens": info.cached_tokens,
                 "hint": info.hint,
             }
-            text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
-            log.log(level, "%s", text, extra={FIELDS: fields})
-
-
-def _text(value: object) -> str:
-    s = str(value)
-    return json.dumps(s) if (not s or any(c in s for c in ' "=')) else s
+            # the fields go out as key=value (text) or as JSON keys (proxy/logs.py)
+            log.log(level, "request", extra={FIELDS: fields})

@@ -38,12 +38,35 @@ class JsonFormatter(logging.Formatter):
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def configure_logging(level: str, fmt: LogFormat = "text") -> None:
-    """Replace the root logger's handlers with one stderr handler in ``fmt``."""
+class TextFormatter(logging.Formatter):
+    """The usual text line, with a record's structured fields appended as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, FIELDS, None)
+        if not isinstance(fields, dict):
+            return line
+        pairs = " ".join(f"{k}={_value(v)}" for k, v in fields.items() if v is not None)
+        return f"{line} {pairs}"
+
+
+def _value(value: object) -> str:
+    """A field value for a text line: quoted (JSON) when it holds spaces, quotes or ``=``."""
+    s = str(value)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=')) else s
+
+
+def configure_logging(level: str, fmt: LogFormat = "text", *, access_log: bool = True) -> None:
+    """Replace the root logger's handlers with one stderr handler in ``fmt``; without
+    ``access_log`` the per-request lines are not even built."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger("kvkeeper.access").setLevel(logging.NOTSET if access_log else logging.WARNING)

@@ -52,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tenants-file", type=Path, help="YAML file mapping API keys to tenants")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING ... (default INFO)")
     p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_const",
+        const=False,
+        help="no line per request (default: one line per request at INFO)",
+    )
+    p.add_argument(
         "--log-format",
         choices=("text", "json"),
         help="log lines as text or one JSON object each (default text)",
@@ -72,6 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "tenants_file": args.tenants_file,
         "log_level": args.log_level,
         "log_format": args.log_format,
+        "access_log": args.access_log,
         "workers": args.workers,
     }
     if args.engine:
@@ -104,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     count = worker_count(settings.workers) if settings.port else 1
     if count == 1:
         return serve(settings)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, access_log=settings.access_log)
     try:  # the port, checked once here: a busy one is one error line, not one per worker
         probe_port(settings.host, settings.port)
     except OSError as exc:
@@ -133,7 +141,7 @@ def serve(
     except ConfigError as exc:
         print(f"kvkeeper serve: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, access_log=settings.access_log)
     app.on_startup.append(_freeze_startup_objects)
     where = f"http://{settings.host}:{settings.port}"
 

@@ -215,6 +215,7 @@ class Settings(BaseSettings):
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"  # JSON: one object per line (proxy/logs.py)
+    access_log: bool = True  # one line per request (proxy/access.py); off saves its CPU
     # processes sharing the port (proxy/workers.py); None = the usable cores, at most 4
     workers: int | None = Field(default=None, ge=1, le=64)
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.logs import FIELDS, JsonFormatter
+from proxy.logs import FIELDS, JsonFormatter, TextFormatter, configure_logging
 from tests.helpers.fake_engine import FakeEngine, serve_fake
 from tests.helpers.redis_server import RedisServer, free_port
 from tests.integration.proxy_fixtures import Stack, proxy_stack
@@ -92,9 +92,16 @@ async def test_access_log_line_per_request_honours_request_id_and_hides_the_prom
     assert ok["tenant"] == "default" and ok["engine"] == engine and ok["hint"] == "accepted"
     assert ok["prompt_tokens"] > 0 and ok["cached_tokens"] == 0 and ok["ttft_ms"] >= 0
     assert err["status"] == 400 and err["request_id"] == bad.headers["X-Request-Id"]
-    line = records[0].getMessage()
-    assert "request_id=client-77" in line and "status=200" in line and "hint=accepted" in line
+    line = TextFormatter().format(records[0])
+    assert (
+        "kvkeeper.access: request request_id=client-77" in line
+        and "status=200" in line
+        and "hint=accepted" in line
+    )
     assert "secret" not in line and "secret" not in json.dumps(ok)
+    assert 'hint="accepted; note=x"' in TextFormatter().format(
+        logging.makeLogRecord({"msg": "request", FIELDS: {"hint": "accepted; note=x"}})
+    )
 
 
 def test_json_formatter_one_object_per_line_with_fields() -> None:
@@ -163,3 +170,19 @@ async def test_redis_url_naming_something_else_fails_open_with_a_reason(
             assert resp.headers["X-KVKeeper-Hint"] == "rejected; reason=store_unavailable"
     lines = [r.getMessage() for r in caplog.records if "is unreachable" in r.getMessage()]
     assert len(lines) == 1 and "InvalidResponse" in lines[0], lines
+
+
+def test_access_log_can_be_turned_off() -> None:
+    access = logging.getLogger("kvkeeper.access")
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        configure_logging("INFO", "json", access_log=False)
+        assert not access.isEnabledFor(logging.INFO) and access.isEnabledFor(logging.WARNING)
+        configure_logging("INFO", "json")
+        assert access.isEnabledFor(logging.INFO)
+        assert isinstance(root.handlers[0].formatter, JsonFormatter)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        access.setLevel(logging.NOTSET)

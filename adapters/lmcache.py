@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from adapters import wire
 from adapters.base import AdapterError, Capability, EngineRejected, EngineUnavailable
 
 TIERS = ("l1", "l2")
@@ -396,11 +397,18 @@ class LMCacheAdapter:
         *,
         params: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        request = self._http.request(method, url, json=body, params=params, timeout=self._timeout)
+        request = self._http.request(
+            method,
+            url,
+            data=None if body is None else wire.dumps(body),
+            headers=None if body is None else wire.HEADERS,
+            params=params,
+            timeout=self._timeout,
+        )
         async with _map_errors(method, url), request as resp:
             if resp.status >= 400:
                 raise EngineRejected(resp.status, _detail(await resp.text()))
-            reply = await resp.json(content_type=None)
+            reply = wire.loads(await resp.read())
         if not isinstance(reply, dict):  # every route answers an object; anything else is drift
             raise AdapterError(f"LMCache {method} {url}: expected a JSON object, got {reply!r:.80}")
         return reply

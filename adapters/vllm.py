@@ -7,7 +7,6 @@ Every aiohttp failure becomes an ``AdapterError`` in one place, ``map_errors``. 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -16,6 +15,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from adapters import wire
 from adapters.base import (
     AdapterError,
     CacheConfig,
@@ -178,8 +178,11 @@ class VLLMAdapter:
         touch_priority: Callable[[], int] | None = None,
     ) -> None:
         self.name = name
-        # the engine runs --scheduling-policy priority: touches and warm-ups carry this
+        # touches and warm-ups carry this admission priority while ``prioritized`` (the engine
+        # runs --scheduling-policy priority: read from it, or configured)
         self.touch_priority = touch_priority
+        self.prioritized = touch_priority is not None
+        self.scheduling_policy: str | None = None  # as the engine reported it
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.cache = cache or CacheConfig()
@@ -252,13 +255,17 @@ class VLLMAdapter:
         async with (
             map_errors(self.name, path),
             self._session.request(
-                method, self.url(path), json=payload, headers=headers, timeout=timeout
+                method,
+                self.url(path),
+                data=None if payload is None else wire.dumps(payload),
+                headers={**wire.HEADERS, **(headers or {})} if payload is not None else headers,
+                timeout=timeout,
             ) as resp,
         ):
-            text = await resp.text()
+            raw = await resp.read()
             if resp.status >= 400:
-                raise EngineRejected(resp.status, text[:300])
-            return json.loads(text) if text else None
+                raise EngineRejected(resp.status, raw[:300].decode(errors="replace"))
+            return wire.loads(raw) if raw else None
 
     # EngineAdapter ------------------------------------------------------------------------
     async def health(self) -> bool:
@@ -294,7 +301,7 @@ class VLLMAdapter:
         payload = touch_body(body)
         payload.setdefault("model", self.model)
         headers = None
-        if self.touch_priority is not None:
+        if self.touch_priority is not None and self.prioritized:
             headers = {PRIORITY_HEADER: str(self.touch_priority())}
         started = time.monotonic()
         answer = await self._request_json("POST", route, payload, headers)
@@ -330,6 +337,27 @@ class VLLMAdapter:
         if found is not None:
             self.cache = replace(found, hash_seed=self.cache.hash_seed)
         return self.cache
+
+    async def discover_scheduling_policy(self) -> str | None:
+        """The engine's waiting-queue order (``fcfs`` or ``priority``) from vLLM's dev-mode
+        ``GET /server_info`` (``VLLM_SERVER_DEV_MODE=1``, as ``kvkeeper engine`` runs it); None
+        when the engine does not say (the route is off, or an older vLLM)."""
+        async with (
+            map_errors(self.name, "/server_info"),
+            self._session.get(
+                self.url("/server_info"),
+                params={"config_format": "json"},
+                timeout=_JSON_TIMEOUT,
+            ) as resp,
+        ):
+            if resp.status >= 400:
+                return None
+            answer = await resp.json(content_type=None)
+        config = answer.get("vllm_config") if isinstance(answer, dict) else None
+        sched = config.get("scheduler_config") if isinstance(config, dict) else None
+        policy = sched.get("policy") if isinstance(sched, dict) else None
+        self.scheduling_policy = policy if policy in ("fcfs", "priority") else None
+        return self.scheduling_policy
 
     async def discover_events(self) -> EventEndpoints | None:
         """Learn the KV-event endpoint from the engine unless one was configured."""

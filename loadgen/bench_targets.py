@@ -74,6 +74,11 @@ TARGETS: dict[str, BenchTarget] = {
         "kvkeeper", "through kvkeeper, every hint (TTLs, parents, evict, prefetch)",
         hints="full", default=True,
     ),
+    "default": BenchTarget(
+        "kvkeeper", "full on kvkeeper's default settings, engines priority-scheduled (what "
+        "kvkeeper detects: the tier, the scheduling policy)",
+        hints="full", sim={"scheduling_policy": "priority"},
+    ),
     "full+dispatch": BenchTarget(
         "kvkeeper", "full with cache-aware dispatch (engine queue short, fewest uncached first)",
         hints="full", retention={"dispatch_ahead": 2}, default=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from redis.asyncio import Redis
 
-from adapters.base import CacheConfig
+from adapters.base import AdapterError, CacheConfig
 from adapters.lmcache import LMCacheAdapter, LMCacheConfig
 from adapters.vllm import EventEndpoints, VLLMAdapter
 from policy.admission import admission_priority
@@ -82,7 +83,9 @@ def build_retention(
             pool.client,
             cache=cache,
             events=EventEndpoints(endpoint=spec.events) if spec.events else None,
-            touch_priority=_touch_priority if settings.retention.admission_priority else None,
+            touch_priority=(
+                _touch_priority if settings.retention.admission_priority is not False else None
+            ),
         )
         tier = None
         if spec.lmcache is not None:
@@ -95,6 +98,9 @@ def build_retention(
                     chunk_size=spec.lmcache.chunk_size,
                 ),
             )
+        # stamped from the start only when configured; with None, once the engine said it
+        # schedules by priority (Retention._connect)
+        adapter.prioritized = settings.retention.admission_priority is True
         states.append(EngineState(engine=engine, adapter=adapter, tier=tier))
     return Retention(store, states, settings.retention, metrics, pool.client)
 
@@ -146,6 +152,33 @@ class _BodyBudget:
                 self.held -= need
 
         return read_body
+
+
+async def detect_scheduling(retention: Retention, retry_s: float, stopping: asyncio.Event) -> None:
+    """``admission_priority`` unset: stamp admission priorities on the engines that schedule
+    by them, as each reports (vLLM's dev-mode ``/server_info``); an engine that cannot be
+    reached yet is asked again every ``retry_s``. One that does not say stays first come,
+    first served."""
+    pending = list(retention.engines.values())
+    while pending and not stopping.is_set():
+        waiting = []
+        for es in pending:
+            try:
+                policy = await es.adapter.discover_scheduling_policy()
+            except AdapterError:
+                waiting.append(es)
+                continue
+            es.adapter.prioritized = policy == "priority"
+            log.info(
+                "%s schedules %s: admission priorities %s",
+                es.engine.name,
+                policy or "(not reported)",
+                "on" if es.adapter.prioritized else "off",
+            )
+        pending = waiting
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), retry_s)
 
 
 def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.Application:
@@ -217,6 +250,8 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             checking = asyncio.create_task(
                 check_engines(rt.retention, app[HASH_CHECKS], metrics, stopping)
             )
+            if settings.retention.admission_priority is None:
+                rt.spawn(detect_scheduling(rt.retention, settings.health_interval_s, stopping))
             if edits is None:
                 rt.edits = SessionOps(store, rt.retention, metrics, settings.limits.max_ttl_s)
             if any(es.tier is not None for es in rt.retention.engines.values()):

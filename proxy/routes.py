@@ -67,7 +67,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             registering,
             session,
             edits=bool(hint and hint.edits),
-            prioritize=rt.settings.retention.admission_priority
+            prioritize=rt.settings.retention.admission_priority is not False
             and not _client_priority(request, parsed.json_body, raw),
             pinned=pinned,
         )
@@ -83,6 +83,16 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if hint is not None and reg is not None and reg.upserted is not None and resp.status < 400:
         _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, engine, usage)
     return resp
+
+
+def _prioritized(rt: Runtime, engine: str) -> bool:
+    """Whether requests to ``engine`` get an admission priority: ``admission_priority`` when
+    set, else (None) when the engine said it runs ``--scheduling-policy priority``."""
+    setting = rt.settings.retention.admission_priority
+    es = rt.retention.engines.get(engine) if rt.retention is not None else None
+    if es is None:
+        return setting is True
+    return es.adapter.prioritized
 
 
 def _client_priority(request: web.Request, body: dict[str, Any] | None, raw: bytes) -> bool:
@@ -136,6 +146,7 @@ async def _forward(
     if pinned is not None:  # it must run there (a stored response): placement does not choose
         order = [pinned, *(e for e in order if e is not pinned)]
     gate, ticket = rt.dispatch, None
+    prioritize = prioritize and bool(order) and _prioritized(rt, order[0].name)
     if order and (gate is not None or prioritize):
         cost, resident = rt.uncached_estimate(order[0].name, len(body), session)
         if gate is not None:

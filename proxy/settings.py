@@ -147,7 +147,9 @@ class RetentionSettings(BaseModel):
     # cache-aware admission (policy/admission.py): the engines run `--scheduling-policy
     # priority` and kvkeeper sets X-Vllm-Priority on what it sends them: the send time plus this
     # many ms per 1,000 tokens the engine would compute (0: first come, first served)
-    admission_priority: bool = False
+    # None (default): on for an engine that reports `--scheduling-policy priority` (vLLM's
+    # dev-mode /server_info, as `kvkeeper engine` runs it), off otherwise
+    admission_priority: bool | None = None
     priority_slack_ms_per_ktok: float = Field(default=100.0, ge=0)
     # ... less this many ms per 1,000 tokens of its prefix resident there (admitted sooner,
     # before the allocations of those ahead of it evict them)

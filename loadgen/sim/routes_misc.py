@@ -77,6 +77,19 @@ async def kv_event_sources(request: web.Request) -> web.Response:
     return web.json_response(request.app[EVENT_SOURCES])
 
 
+async def server_info(request: web.Request) -> web.Response:
+    """vLLM's dev-mode ``GET /server_info?config_format=json``: the parts of its config kvkeeper
+    reads (the scheduler's waiting-queue policy, the cache's block size)."""
+    engine = request.app[ENGINE]
+    config = {
+        "scheduler_config": {"policy": engine.config.scheduling_policy},
+        "cache_config": {"block_size": engine.config.block_size},
+    }
+    if request.query.get("config_format", "text") != "json":
+        return web.json_response({"vllm_config": str(config), "vllm_env": {}})
+    return web.json_response({"vllm_config": config, "vllm_env": {}})
+
+
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """Like vLLM (dev mode): HTTP 200 even when refused because requests hold blocks."""
     reset_running = request.query.get("reset_running_requests", "").lower() == "true"
@@ -95,3 +108,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/server_info", server_info)

@@ -407,6 +407,33 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
         assert done == (expected if policy == "priority" else ["cold0", "cold1", "cold2", "warm"])
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_admission_priority_is_detected_from_the_engines_scheduling_policy(
+    redis_server: RedisServer, namespace: str, policy: str
+) -> None:
+    """Not configured, kvkeeper reads the engine's scheduling policy before it stamps: a
+    priority-scheduled engine gets admission priorities (the warm session passes the queue),
+    a first-come-first-served one gets none."""
+    sim = {"scheduling_policy": policy, "max_num_seqs": 1}
+    async with sim_stack(
+        redis_server.url, namespace, num_blocks=400, speed=5, sim=sim,
+        priority_slack_ms_per_ktok=10_000,
+    ) as st:  # fmt: skip
+        _, es = _engine_state(st)
+        assert await wait_for(lambda: _told(es)), "the engine's policy was never read"
+        assert es.adapter.prioritized == (policy == "priority")
+        done = await _warm_after_cold(st)
+        stamped = await st.metric("kvkeeper_admission_slack_seconds_count")
+        if policy == "priority":
+            assert stamped == 5 and done == ["cold0", "warm", "cold1", "cold2"]
+        else:
+            assert stamped == 0 and done == ["cold0", "cold1", "cold2", "warm"]
+
+
+async def _told(es) -> bool:  # type: ignore[no-untyped-def]
+    return es.adapter.scheduling_policy is not None
+
+
 async def test_prefetch_without_a_tier_warms_only_what_fits(
     redis_server: RedisServer, namespace: str
 ) -> None:

@@ -187,3 +187,37 @@ async def test_reset_prefix_cache(sim: Simulator, http: aiohttp.ClientSession) -
         assert resp.status == 200
     again = await post(http, f"{sim.url}/v1/completions", {"prompt": prompt, "max_tokens": 1})
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+async def test_the_adapter_reads_the_engines_scheduling_policy(policy: str) -> None:
+    """kvkeeper reads the waiting-queue order from vLLM's dev-mode /server_info (the simulator
+    serves the same shape) before it stamps admission priorities."""
+    from adapters.vllm import VLLMAdapter
+
+    config = SimConfig(num_blocks=64, profile="instant", model=MODEL, scheduling_policy=policy)  # type: ignore[arg-type]
+    async with run_simulator(config) as s, aiohttp.ClientSession() as http:
+        adapter = VLLMAdapter("sim", s.url, http, model=MODEL)
+        assert adapter.scheduling_policy is None
+        assert await adapter.discover_scheduling_policy() == policy
+        assert adapter.scheduling_policy == policy
+        async with http.get(f"{s.url}/server_info") as resp:  # text form, as vLLM's default
+            assert policy in (await resp.json())["vllm_config"]
+
+
+async def test_an_engine_without_server_info_leaves_the_policy_unknown(http: aiohttp.ClientSession) -> None:  # fmt: skip
+    from aiohttp import web
+
+    from adapters.vllm import VLLMAdapter
+
+    app = web.Application()  # an engine without the dev-mode route: 404
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        adapter = VLLMAdapter("bare", f"http://127.0.0.1:{port}", http, model=MODEL)
+        assert await adapter.discover_scheduling_policy() is None
+    finally:
+        await runner.cleanup()

@@ -59,6 +59,12 @@ SKELETON_TTL_S = 1.0  # a tenant's id/parent/agent/state skeleton is reused this
 SAMPLE_EVERY_S = 2.0
 SAMPLES = 180  # six minutes of series per engine
 DISPLAY_STATES = (*STATES, "expired")
+# the page loads and calls nothing but this server (inline style attributes: the bars' widths)
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
 _CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
@@ -519,7 +525,12 @@ async def page(request: web.Request) -> web.StreamResponse:
         body=res.read_bytes(),
         content_type=_CONTENT_TYPES[suffix],
         charset="utf-8",
-        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
+        headers={
+            "Cache-Control": "no-cache",
+            "X-Content-Type-Options": "nosniff",
+            "Content-Security-Policy": _CSP,
+            "Referrer-Policy": "no-referrer",
+        },
     )
 
 

@@ -159,6 +159,7 @@ async def test_openapi_describes_the_console_and_validates(
             assert resp.status == 200, path
             text = await resp.text()
             assert "http://" not in text and "https://" not in text, path
+            assert "default-src 'none'" in resp.headers["Content-Security-Policy"]
         for bad in ("/ui/.hidden.js", "/ui/console.py", "/ui/%2E%2E%2Fapp.py"):
             resp = await st.client.get(URL(bad, encoded=True))
             assert resp.status == 404, bad  # only the console's own files, never a path out

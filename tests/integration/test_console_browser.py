@@ -25,6 +25,7 @@ async def test_console_shows_the_forest_and_frees_a_tree(
         page = await browser.new_page(viewport={"width": 1500, "height": 800})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
         await page.goto(st.url + "#token=admin-secret")
         await page.wait_for_selector('tr[data-sid="a-w1-x"]', timeout=10_000)
 
@@ -119,10 +120,8 @@ async def test_a_tenant_key_sees_and_acts_on_its_own_tenant_only(
         # asking for tenant a with b's key: refused, nothing shown
         await page.fill("#tenant", "a")
         await page.click("#auth button")
-        await page.wait_for_function(
-            "document.getElementById('status').textContent.includes('forbidden')",
-            timeout=5_000,
-        )
+        # (locators, not wait_for_function: the page's CSP forbids the eval that one uses)
+        await page.locator("#status", has_text="forbidden").wait_for(timeout=5_000)
         # acting on a's sessions with b's key, straight from the page: refused or not found
         answers = await page.evaluate(
             """async (key) => {

@@ -71,16 +71,12 @@ async def test_forest_pages_and_searches_10k_sessions(
         page = await browser.new_page(viewport={"width": 1400, "height": 900})
         started = time.perf_counter()
         await page.goto(str(st.client.make_url("/ui/")) + f"#token={ADMIN}")
-        await page.wait_for_function(
-            "document.getElementById('pageinfo').textContent.includes('of 1,000')"
-        )
+        await page.locator("#pageinfo", has_text="of 1,000").wait_for()
         shown = time.perf_counter() - started
         assert await page.locator('tr.node[data-depth="0"]').count() == 50
         assert await page.locator("tr.node").count() == 500
         await page.click("#next")
-        await page.wait_for_function(
-            "document.getElementById('pageinfo').textContent.startsWith('trees 51')"
-        )
+        await page.locator("#pageinfo", has_text="trees 51").wait_for()
         await page.fill("#search", "w-123-4")
         await page.wait_for_selector("tr.node.matched")
         assert await page.eval_on_selector_all(

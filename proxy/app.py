@@ -229,7 +229,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         subscriber: Redis | None = None
         if settings.placement.share and len(settings.engines) > 1:
             # its own client: a subscription holds its connection, and waits longer than a call
-            subscriber = Redis.from_url(
+            subscriber = redisconn.open_redis(
                 url, socket_connect_timeout=REDIS_TIMEOUT_S, health_check_interval=15
             )
             rt.prefix_share = PrefixShare(

@@ -41,7 +41,8 @@ async def _load(st: Stack, stop: asyncio.Event, statuses: list[int], hints: list
 async def test_sentinel_failover_under_load(sentinels: SentinelSet) -> None:
     namespace = "ha"
     store = SessionStore(open_redis(sentinels.url), Limits(), namespace=namespace)
-    async with proxy_stack(sentinels.url, namespace) as st:
+    # two engines: the prefix index is shared between replicas over a pub/sub subscription too
+    async with proxy_stack(sentinels.url, namespace, n_engines=2) as st:
         for i in range(20):  # sessions that exist before the failover
             body = {
                 **CHAT,

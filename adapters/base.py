@@ -10,9 +10,8 @@ Exception tree::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -34,18 +33,6 @@ class EngineRejected(AdapterError):
 
 class Unsupported(AdapterError):
     """The adapter does not have the capability an operation needs."""
-
-
-class Capability(StrEnum):
-    """What an engine (plus its offload tier) lets kvkeeper do."""
-
-    TOKENIZE = "tokenize"  # POST /tokenize
-    KV_EVENTS = "kv_events"  # ZMQ BlockStored/BlockRemoved stream
-    METRICS = "metrics"  # Prometheus /metrics with vLLM names
-    TOUCH = "touch"  # max_tokens=1 re-touch / warm-up requests
-    OFFLOAD = "offload"  # an offload tier that can store + pin a prefix
-    PREFETCH = "prefetch"  # load a prefix back from the offload tier
-    EVICT_OFFLOADED = "evict_offloaded"  # delete a prefix from the offload tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +86,47 @@ class EngineMetrics:
     raw: dict[str, float] = field(default_factory=dict)
 
 
+class EventSink(Protocol):
+    """Where decoded KV-event batches go (the residency index, the horizon tap)."""
+
+    def apply(self, batch: Any) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class EventSubscription(Protocol):
+    """A running KV-event subscription; closed when retention stops. ``sink`` may be wrapped
+    while it runs; ``token_ids``: decode stored blocks' token ids too (the hash self-check)."""
+
+    sink: EventSink
+    token_ids: bool
+
+    async def aclose(self) -> None: ...
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
-    """One inference engine replica."""
+    """One inference engine replica: everything engine-specific kvkeeper needs from it.
+
+    proxy/ is typed against this protocol only; ``adapters.registry`` builds one per
+    ``EngineSpec.kind``.
+    """
 
     name: str
     base_url: str
-    capabilities: frozenset[Capability]
+    cache: CacheConfig  # block size, pool size, hash seed (updated by ``discover``)
+    priority_header: str | None  # request header carrying a scheduling priority (None: none)
+    priority_field: str  # the body field a client sets its own priority with
+    hop_by_hop: frozenset[str]  # headers never forwarded, either direction (lower case)
+    health_routes: tuple[str, ...]  # tried in order; 404 moves on to the next
+    prioritized: bool  # requests and touches carry an admission priority (see priority_header)
 
-    async def health(self) -> bool:
-        """True when the engine answers its health route."""
+    def tokenizable(self, route: str) -> bool:
+        """Whether requests on ``route`` can be tokenized (and touched by token ids)."""
+        ...
+
+    def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: Any = None) -> list[int]:
+        """The ids the engine's KV events give the full blocks of ``token_ids``."""
         ...
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
@@ -116,12 +134,40 @@ class EngineAdapter(Protocol):
         ...
 
     async def touch(self, route: str, body: dict[str, Any]) -> TouchResult:
-        """Re-send a recorded request with ``max_tokens: 1`` to refresh its prefix in LRU."""
+        """Re-send a recorded request (any proxied route) generating one token."""
+        ...
+
+    async def touch_tokens(
+        self, token_ids: list[int], *, cache_salt: str | None = None
+    ) -> TouchResult:
+        """Touch a prefix known only by its token ids."""
         ...
 
     async def metrics(self) -> EngineMetrics:
         """Scrape the engine's metrics."""
         ...
+
+    async def discover(self, *, cache: bool) -> None:
+        """Learn the KV-event endpoint and (``cache``) the cache geometry; failures are raised."""
+        ...
+
+    async def discover_scheduling_policy(self) -> str | None:
+        """The engine's waiting-queue order (``fcfs``, ``priority``; None: it does not say)."""
+        ...
+
+    @property
+    def has_events(self) -> bool:
+        """Whether a KV-event endpoint is known."""
+        ...
+
+    def subscribe(self, sink: EventSink) -> EventSubscription:
+        """A started KV-event subscription feeding ``sink``."""
+        ...
+
+
+def forward_headers(headers: Mapping[str, str], hop_by_hop: frozenset[str]) -> dict[str, str]:
+    """Headers minus hop-by-hop ones, for either direction of a proxied request."""
+    return {k: v for k, v in headers.items() if k.lower() not in hop_by_hop}
 
 
 @runtime_checkable

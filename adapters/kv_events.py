@@ -25,12 +25,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
+from adapters.base import EventSink
 from adapters.block_hash import event_id
 
 log = logging.getLogger(__name__)
@@ -232,14 +233,6 @@ def endpoint_for_host(endpoint: str, host: str) -> str:
         if endpoint.startswith(prefix):
             return f"tcp://{host}:{endpoint.removeprefix(prefix)}"
     return endpoint
-
-
-class EventSink(Protocol):
-    """What consumes decoded batches (the residency index)."""
-
-    def apply(self, batch: EventBatch) -> None: ...
-
-    def clear(self) -> None: ...
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import aiohttp
 
 from adapters import wire
-from adapters.base import AdapterError, Capability, EngineRejected, EngineUnavailable
+from adapters.base import AdapterError, EngineRejected, EngineUnavailable
 
 TIERS = ("l1", "l2")
 
@@ -128,8 +128,6 @@ class Quota:
 
 class LMCacheAdapter:
     """Async client of one LMCache MP deployment (a coordinator and its MP servers)."""
-
-    capabilities = frozenset({Capability.OFFLOAD, Capability.PREFETCH, Capability.EVICT_OFFLOADED})
 
     def __init__(self, session: aiohttp.ClientSession, config: LMCacheConfig) -> None:
         self._http = session

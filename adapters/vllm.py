@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,15 +19,16 @@ from adapters import wire
 from adapters.base import (
     AdapterError,
     CacheConfig,
-    Capability,
     EngineMetrics,
     EngineRejected,
     EngineUnavailable,
+    EventSink,
     TouchResult,
     Unsupported,
+    forward_headers,
 )
 from adapters.block_hash import BlockHasher
-from adapters.kv_events import EventSink, KVEventSubscriber, endpoint_for_host
+from adapters.kv_events import KVEventSubscriber, endpoint_for_host
 from adapters.prom import engine_metrics_from, parse_text
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -84,11 +85,6 @@ async def map_errors(engine: str, what: str) -> AsyncIterator[None]:
         raise AdapterError(f"{engine} {what}: unexpected answer: {exc!r}") from exc
 
 
-def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """Headers minus hop-by-hop ones, for either direction of a proxied request."""
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
-
-
 def tokenize_body(route: str, body: Mapping[str, Any], model: str | None) -> dict[str, Any]:
     """The ``/tokenize`` request that yields the token ids ``body`` on ``route`` will hash."""
     name = body.get("model") or model
@@ -111,14 +107,25 @@ def touch_body(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _usage_result(answer: Mapping[str, Any], seconds: float) -> TouchResult:
-    usage = answer.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return TouchResult(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
-        seconds=seconds,
-    )
+def _usage_result(answer: Any, seconds: float) -> TouchResult:
+    """Prompt and cached tokens of an answer in any proxied dialect (OpenAI chat/completions,
+    Responses, Anthropic messages)."""
+    usage = answer.get("usage") if isinstance(answer, Mapping) else None
+    if not isinstance(usage, Mapping):
+        return TouchResult(0, 0, seconds)
+    if "prompt_tokens" in usage:
+        details = usage.get("prompt_tokens_details") or {}
+        return TouchResult(
+            int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0), seconds
+        )
+    if "input_tokens_details" in usage:
+        details = usage.get("input_tokens_details") or {}
+        return TouchResult(
+            int(usage.get("input_tokens") or 0), int(details.get("cached_tokens") or 0), seconds
+        )
+    read = int(usage.get("cache_read_input_tokens") or 0)
+    created = int(usage.get("cache_creation_input_tokens") or 0)
+    return TouchResult(int(usage.get("input_tokens") or 0) + read + created, read, seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +173,14 @@ async def discover_event_endpoint(
 class VLLMAdapter:
     """An unmodified vLLM server seen through HTTP and its KV-event stream."""
 
+    priority_header: str | None = PRIORITY_HEADER
+    priority_field = "priority"
+    hop_by_hop = HOP_BY_HOP
+    health_routes: tuple[str, ...] = (
+        "/health",
+        "/v1/models",
+    )  # /v1/models: an OpenAI server without /health
+
     def __init__(
         self,
         name: str,
@@ -188,17 +203,20 @@ class VLLMAdapter:
         self.cache = cache or CacheConfig()
         self.events = events
         self._session = session
-        self.capabilities = self._capabilities()
-
-    def _capabilities(self) -> frozenset[Capability]:
-        caps = {Capability.TOKENIZE, Capability.METRICS, Capability.TOUCH}
-        if self.events is not None:
-            caps.add(Capability.KV_EVENTS)
-        return frozenset(caps)
 
     @property
     def hasher(self) -> BlockHasher:
         return BlockHasher(block_size=self.cache.block_size, hash_seed=self.cache.hash_seed)
+
+    def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: Any = None) -> list[int]:
+        return self.hasher.block_ids(token_ids, cache_salt=cache_salt)
+
+    def tokenizable(self, route: str) -> bool:
+        return route in (CHAT_ROUTE, COMPLETION_ROUTE)
+
+    @property
+    def has_events(self) -> bool:
+        return self.events is not None
 
     def url(self, path: str) -> str:
         return f"{self.base_url}/{path.lstrip('/')}"
@@ -224,7 +242,7 @@ class VLLMAdapter:
                 method,
                 self.url(path),
                 data=data,
-                headers=forward_headers(headers or {}),
+                headers=forward_headers(headers or {}, HOP_BY_HOP),
                 params=params,
                 timeout=_STREAM_TIMEOUT,
             )
@@ -251,7 +269,7 @@ class VLLMAdapter:
         payload: Any = None,
         headers: Mapping[str, str] | None = None,
     ) -> Any:
-        timeout = _TOUCH_TIMEOUT if path in (CHAT_ROUTE, COMPLETION_ROUTE) else _JSON_TIMEOUT
+        timeout = _TOUCH_TIMEOUT if path.startswith("/v1/") else _JSON_TIMEOUT
         async with (
             map_errors(self.name, path),
             self._session.request(
@@ -295,11 +313,16 @@ class VLLMAdapter:
         return self.hasher.block_ids(tokens, cache_salt=body.get("cache_salt"))
 
     async def touch(self, route: str, body: dict[str, Any]) -> TouchResult:
-        """Re-send a recorded request with ``max_tokens: 1``: moves its prefix to LRU's safe end."""
-        if route not in (CHAT_ROUTE, COMPLETION_ROUTE):
-            raise Unsupported(f"cannot touch requests for {route}")
+        """Re-send a recorded request generating one token: moves its prefix to LRU's safe end.
+        Anthropic /v1/messages and /v1/responses are touched on their own route."""
         payload = touch_body(body)
-        payload.setdefault("model", self.model)
+        if route == "/v1/responses":
+            del payload["max_tokens"]
+            payload["max_output_tokens"] = 1
+        elif not self.tokenizable(route):
+            payload.pop("stream_options", None)
+        if self.model is not None:
+            payload.setdefault("model", self.model)
         headers = None
         if self.touch_priority is not None and self.prioritized:
             headers = {PRIORITY_HEADER: str(self.touch_priority())}
@@ -331,6 +354,12 @@ class VLLMAdapter:
             return engine_metrics_from(parse_text(text), hash_seed=self.cache.hash_seed)
 
     # discovery and control ----------------------------------------------------------------
+    async def discover(self, *, cache: bool) -> None:
+        """The KV-event endpoint (unless configured) and, with ``cache``, the cache geometry."""
+        if cache:
+            await self.discover_cache_config()
+        await self.discover_events()
+
     async def discover_cache_config(self) -> CacheConfig:
         """Adopt the block size, pool size and hash algorithm the engine reports."""
         found = (await self.metrics()).cache_config
@@ -363,7 +392,6 @@ class VLLMAdapter:
         """Learn the KV-event endpoint from the engine unless one was configured."""
         if self.events is None:
             self.events = await discover_event_endpoint(self._session, self.base_url)
-            self.capabilities = self._capabilities()
         return self.events
 
     def subscribe(self, sink: EventSink, *, token_ids: bool = False) -> KVEventSubscriber:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from loadgen.sim.belady import EvictRule
 from loadgen.workloads import parse_overrides
 from loadgen.workloads.hints import HintMode
-from proxy.settings import RetentionSettings
+from proxy.settings import RETENTION_KEYS
 
 TargetKind = Literal["engine", "kvkeeper", "router"]
 
@@ -79,10 +79,6 @@ TARGETS: dict[str, BenchTarget] = {
         "kvkeeper detects: the tier, the scheduling policy)",
         hints="full", sim={"scheduling_policy": "priority"},
     ),
-    "full+dispatch": BenchTarget(
-        "kvkeeper", "full with cache-aware dispatch (engine queue short, fewest uncached first)",
-        hints="full", retention={"dispatch_ahead": 2}, default=True,
-    ),
     "full+unbounded": BenchTarget(
         "kvkeeper", "full with no retention overhead budget",
         hints="full", retention={"max_overhead_share": None},
@@ -100,14 +96,6 @@ TARGETS: dict[str, BenchTarget] = {
     "full+pins": BenchTarget(
         "kvkeeper", "full with tier pins (protected sessions the GPU is losing pinned in the tier)",
         hints="full", retention={"tier_pin_share": 0.5},
-    ),
-    "full+tiercover": BenchTarget(
-        "kvkeeper", "full without touches for sessions the tier will still hold",
-        hints="full", retention={"tier_skip_touches": True},
-    ),
-    "full+step-deadline": BenchTarget(
-        "kvkeeper", "full with the touch deadline stretched to three engine steps",
-        hints="full", retention={"touch_deadline_steps": 3},
     ),
     "round-robin": BenchTarget(
         "router", "vllm-router, round_robin policy", router_policy="round_robin", default=True
@@ -145,7 +133,7 @@ def plan_targets(
         target = TARGETS[base]
         if settings and target.kind != "kvkeeper":
             raise ValueError(f"{name!r}: only kvkeeper targets take settings after '@'")
-        if unknown := sorted(set(settings) - set(RetentionSettings.model_fields)):
+        if unknown := sorted(set(settings) - RETENTION_KEYS):
             raise ValueError(f"{name!r}: no retention setting {', '.join(unknown)}")
         reason = None
         if target.kind == "engine" and replicas > 1:

@@ -3,7 +3,7 @@
 vLLM admits waiting requests in order, and a waiting request holds no blocks: while a long
 prefill ahead of it runs, the allocations evict the very prefix it would have hit. Under the
 priority policy vLLM serves the waiting queue by ``(priority, arrival)`` (lower first), so
-kvkeeper can order it from outside, per request, with the ``X-Vllm-Priority`` header.
+kvkeeper can order it from outside, per request, with a priority header (the engine adapter names it).
 
 The priority is a virtual deadline: the time the request was sent, in milliseconds, plus a
 slack proportional to the tokens the engine would have to compute for it (its prompt minus
@@ -19,18 +19,9 @@ from __future__ import annotations
 PRIORITY_EPOCH_S = 1_767_225_600  # 2026-01-01T00:00:00Z: keeps the integers short
 
 
-def admission_slack_ms(
-    uncached_tokens: float,
-    slack_ms_per_ktok: float,
-    *,
-    resident_tokens: float = 0.0,
-    credit_ms_per_ktok: float = 0.0,
-) -> float:
-    """How long after its send time a request that needs ``uncached_tokens`` computed is due;
-    with a ``credit_ms_per_ktok``, ``resident_tokens`` of its prefix resident (what waiting
-    would lose) bring it forward, below zero if they outweigh the rest."""
-    slack = slack_ms_per_ktok * max(0.0, uncached_tokens) / 1000.0
-    return slack - credit_ms_per_ktok * max(0.0, resident_tokens) / 1000.0
+def admission_slack_ms(uncached_tokens: float, slack_ms_per_ktok: float) -> float:
+    """How long after its send time a request that needs ``uncached_tokens`` computed is due."""
+    return slack_ms_per_ktok * max(0.0, uncached_tokens) / 1000.0
 
 
 def admission_priority(now_s: float, slack_ms: float) -> int:

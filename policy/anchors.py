@@ -31,18 +31,21 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from policy.predictor import TransitionModel
 
+K = TypeVar("K", str, tuple[str, str])  # an anchor's key: a name, or (tenant, agent)
+
 
 @dataclass(frozen=True, slots=True)
-class AnchorView:
+class AnchorView(Generic[K]):
     """One anchor on one engine this tick: ``n_blocks`` learned blocks, ``resident_blocks`` of
     them still cached (leading), ``last_used_at`` its agent's last call or its last touch,
     ``allocated_since`` blocks the engine allocated since then; ``held``: that last use was a
     touch (kvkeeper, not its traffic, keeps it)."""
 
-    anchor_id: str
+    anchor_id: K
     n_blocks: int
     resident_blocks: int
     last_used_at: float
@@ -85,7 +88,7 @@ def anchor_demand(last_agents: Mapping[str, int], model: TransitionModel) -> dic
 
 
 def plan_anchor_touches(
-    anchors: Sequence[AnchorView],
+    anchors: Sequence[AnchorView[K]],
     horizon_s: float,
     now: float,
     *,
@@ -93,7 +96,7 @@ def plan_anchor_touches(
     urgent_blocks: float,
     slots: int,
     config: AnchorConfig | None = None,
-) -> tuple[str, ...]:
+) -> tuple[K, ...]:
     """The anchors to touch now (module rules), oldest first."""
     cfg = config or AnchorConfig()
     live = [
@@ -103,7 +106,7 @@ def plan_anchor_touches(
     ]
     due_age = cfg.safety_fraction * horizon_s if math.isfinite(horizon_s) else math.inf
 
-    def is_due(a: AnchorView) -> bool:
+    def is_due(a: AnchorView[K]) -> bool:
         return now - a.last_used_at >= due_age or a.allocated_since >= urgent_blocks
 
     kept = [a for a in live if a.held or is_due(a)]

@@ -28,6 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policy.ids import SessionId
+
 
 @dataclass(frozen=True, slots=True)
 class BudgetConfig:
@@ -66,7 +68,7 @@ class EngineLoad:
 class BudgetSession:
     """A protected session competing for the budget: its block ids (hashes) and value."""
 
-    session_id: str
+    session_id: SessionId
     block_ids: tuple[int, ...]
     value: float
 
@@ -77,8 +79,8 @@ class BudgetDecision:
     valuable first order); ``protected_blocks``: distinct blocks kept; ``budget_blocks``: the
     budget used; ``pressure``: the pressure in [0, 1] that shrank it."""
 
-    keep: tuple[str, ...]
-    pressure_override: tuple[str, ...]
+    keep: tuple[SessionId, ...]
+    pressure_override: tuple[SessionId, ...]
     protected_blocks: int
     budget_blocks: int
     pressure: float
@@ -119,8 +121,8 @@ def allocate_budget(
     """
     order = sorted(sessions, key=lambda s: (-s.value, len(s.block_ids), s.session_id))
     admitted: set[int] = set()
-    keep: list[str] = []
-    lapsed: list[str] = []
+    keep: list[SessionId] = []
+    lapsed: list[SessionId] = []
     for s in order:
         new = {b for b in s.block_ids if b not in admitted}
         if len(admitted) + len(new) <= budget_blocks:

@@ -25,6 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policy.ids import SessionId
+
 
 @dataclass(frozen=True, slots=True)
 class ProtectedSession:
@@ -35,7 +37,7 @@ class ProtectedSession:
     e.g. from :func:`policy.budget.session_value`).
     """
 
-    session_id: str
+    session_id: SessionId
     last_active_at: float
     ttl_until: float
     n_blocks: int
@@ -71,10 +73,10 @@ class KeepalivePlan:
     time a session not yet due becomes due (``math.inf`` if none), for sleeping until then.
     """
 
-    touch: tuple[str, ...]
-    expire: tuple[str, ...]
-    deferred: tuple[str, ...]
-    likely_lost: tuple[str, ...]
+    touch: tuple[SessionId, ...]
+    expire: tuple[SessionId, ...]
+    deferred: tuple[SessionId, ...]
+    likely_lost: tuple[SessionId, ...]
     next_due_at: float
 
 
@@ -96,7 +98,7 @@ def plan_touches(
     """Decide this tick's touches and expiries; O(n log n) in the number of sessions."""
     cfg = config or KeepaliveConfig()
     interval = touch_interval(horizon_s, cfg)
-    expire: list[str] = []
+    expire: list[SessionId] = []
     savable: list[ProtectedSession] = []
     lost: list[ProtectedSession] = []
     in_flight = 0

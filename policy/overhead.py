@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from policy.smoothing import ewma
+
 SESSION_TOUCH = "session"  # kinds of touch, each with its own running recompute estimate
 ANCHOR_TOUCH = "anchor"
 
@@ -112,8 +114,8 @@ class OverheadBudget:
         actual = max(0.0, recomputed)
         self.spent += actual
         if touch:
-            a, old = self.config.touch_alpha, self.estimate(kind)
-            self.estimates[kind] = max(1.0, old + a * (actual - old))
+            old = self.estimate(kind)
+            self.estimates[kind] = max(1.0, ewma(old, actual, self.config.touch_alpha))
         if self.config.share is None:
             return
         self.credit = min(self.config.burst_tokens, self.credit + reserved - actual)

@@ -18,6 +18,7 @@ from proxy.auth import Principal
 from proxy.console_models import Freed, OperationOutcome
 from proxy.errors import BadRequest, NotFound, StoreUnavailable
 from proxy.hashcheck import HASH_CHECKS
+from proxy.keys import SessionKey
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import STATES, Session, SessionStore, StoreDown
 
@@ -199,7 +200,7 @@ async def free_session(
     rt.metrics.sessions_freed.labels("tree" if tree else "single").inc(len(freed))
     if rt.retention is not None:
         for gone in freed:
-            rt.retention.forget(tenant, gone)
+            rt.retention.forget(SessionKey(tenant, gone))
     if rt.longterm is not None:
         for gone in freed:
             await rt.longterm.release(tenant, gone)

@@ -1,5 +1,5 @@
 """Agent anchors kept warm on each engine for the agents predicted to run next (CacheScout);
-off by default (``retention.anchors``): on the simulated swarm they gained no hit rate.
+off by default (``anchors.enabled``).
 
 Fed from the request path (:meth:`AnchorKeeper.observe`, no I/O): every hinted request that
 names its agent (``X-Agent-Name``) teaches the next-agent model (:mod:`policy.predictor`) one
@@ -13,11 +13,6 @@ touch in the retention overhead (``kvkeeper_touch_prompt_tokens_total`` and
 ``kvkeeper_touch_recomputed_tokens_total``) and by itself in
 ``kvkeeper_anchor_touches_total{engine,outcome}``.
 
-With an offload tier and ``retention.tier_pin_anchors`` the keeper learns anchors without
-touching them: :meth:`AnchorKeeper.pin_candidates` hands the ones a live session may call to
-the tier keeper (:mod:`proxy.tiers`), which pins them in the tier, so the call after the GPU
-lets one go loads it instead of recomputing it. An anchor's expected next use there is the gap between calls of
-its agent (a moving average), or the time since its last call once that is longer.
 """
 
 from __future__ import annotations
@@ -26,12 +21,10 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
-from adapters.base import AdapterError, TouchResult
-from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
+from adapters.base import AdapterError
 from policy.anchors import (
     AnchorConfig,
     AnchorView,
@@ -42,27 +35,27 @@ from policy.anchors import (
 from policy.budget import BudgetConfig, effective_budget
 from policy.overhead import ANCHOR_TOUCH
 from policy.predictor import TransitionModel
-from policy.tier_pins import anchor_next_use_s
+from proxy.engine_state import EngineState
 from proxy.metrics import Metrics
-from proxy.settings import RetentionSettings
-
-if TYPE_CHECKING:
-    from proxy.retention import EngineState
+from proxy.touches import TouchLate, TouchRunner
 
 log = logging.getLogger("kvkeeper.anchors")
 
-# runs a keep-alive touch under the retention layer's deadline; None when it was abandoned
-InTime = Callable[["EngineState", Awaitable[TouchResult]], Awaitable[TouchResult | None]]
-# runs a touch as one of the retention layer's tasks, then the callback
-Track = Callable[["EngineState", Coroutine[Any, Any, int], float, Callable[[], None], str], None]
-
 _MAX_SESSIONS = 100_000  # sessions whose last agent is remembered (least recent dropped)
 _MAX_ANCHORS = 1024  # anchors per engine (the least recently used dropped)
-_GAP_WEIGHT = 0.25  # of the newest gap in an anchor's moving average between calls
+MIN_DEMAND = 0.5  # expected next calls of an agent to keep its anchor
+POOL_SHARE = 0.25  # anchor blocks at most this share of the pool ...
+MIN_FACTOR = 0.1  # ... of which this share is kept at full pressure (the budget's rule)
+WINDOW_S = 30.0  # a session idle longer stops counting in its next agent's demand
+MIN_BLOCKS = 4  # a shorter common prefix is no anchor
+RELEARN_CALLS = 200  # learn an anchor again after this many calls of its agent
 
 
-def _id(tenant: str, agent: str) -> str:
-    return f"{tenant}\x1f{agent}"
+class AnchorId(NamedTuple):
+    """An anchor's key: the tenant and the agent (tenants never share anchors)."""
+
+    tenant: str
+    agent: str
 
 
 @dataclass(slots=True)
@@ -72,18 +65,6 @@ class Sample:
     session_id: str
     route: str
     body: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class AnchorPin:
-    """A learned anchor, as the tier keeper pins it."""
-
-    tenant: str
-    agent: str
-    tokens: list[int]  # its whole blocks
-    cache_salt: str | None
-    version: float  # when it was learned: a relearned anchor is pinned again
-    next_use_s: float
 
 
 @dataclass(slots=True)
@@ -98,9 +79,6 @@ class Anchor:
     cache_salt: str | None = None
     last_used: float = 0.0
     held: bool = False  # last used by a touch, not by a call of its agent
-    last_call: float | None = None  # the last call of its agent (touches aside)
-    call_gap_s: float | None = None  # moving average of the time between calls of its agent
-    learned_at: float = 0.0  # when ``tokens`` were learned: the version a tier pin holds
     calls_since_learned: int = 0
     learn_after: int = 0  # calls to let pass before sampling again (relearn, or back off)
     failures: int = 0  # learning attempts in a row that found no common prefix
@@ -118,16 +96,22 @@ class AnchorKeeper:
     """What the retention layer knows about agents: their anchors and who runs next."""
 
     def __init__(
-        self, settings: RetentionSettings, metrics: Metrics, track: Track, in_time: InTime
+        self,
+        metrics: Metrics,
+        touches: TouchRunner,
+        *,
+        safety_fraction: float,
+        max_touches: int,
+        window_s: float = WINDOW_S,
+        relearn_calls: int = RELEARN_CALLS,
     ) -> None:
-        self.settings = settings
         self.metrics = metrics
-        self._track = track
-        self._in_time = in_time
+        self.touches = touches
+        self.max_touches = max_touches
+        self.window_s = window_s
+        self.relearn_calls = relearn_calls
         self.models: dict[str, TransitionModel] = {}  # per tenant: tenants never mix
-        self.config = AnchorConfig(
-            min_demand=settings.anchor_min_demand, safety_fraction=settings.safety_fraction
-        )
+        self.config = AnchorConfig(min_demand=MIN_DEMAND, safety_fraction=safety_fraction)
         # (tenant, session) -> (its last agent, when): the sessions whose next call is predicted,
         # least recently active first
         self._last: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
@@ -136,9 +120,19 @@ class AnchorKeeper:
 
     # --- the request path (no I/O) ----------------------------------------------------------
     def observe(
-        self, engine: str, tenant: str, sid: str, agent: str, route: str, body: bytes, now: float
+        self,
+        engine: str,
+        tenant: str,
+        sid: str,
+        agent: str,
+        route: str,
+        body: bytes,
+        now: float,
+        *,
+        tokenizable: bool = True,
     ) -> None:
-        """A request of ``sid`` by ``agent`` was served by ``engine``."""
+        """A request of ``sid`` by ``agent`` was served by ``engine`` (``tokenizable``: the
+        engine can tokenize ``route``, so its anchor can be learned)."""
         key = (tenant, sid)
         prev = self._last.pop(key, None)
         model = self.models.get(tenant)
@@ -148,7 +142,7 @@ class AnchorKeeper:
         self._last[key] = (agent, now)
         while len(self._last) > _MAX_SESSIONS:
             self._last.popitem(last=False)
-        if route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+        if not tokenizable:
             return
         mine = self.anchors.setdefault(engine, {})
         anchor = mine.get((tenant, agent))
@@ -156,11 +150,7 @@ class AnchorKeeper:
             if len(mine) >= _MAX_ANCHORS:  # agent names come from clients: bounded
                 del mine[min(mine, key=lambda k: mine[k].last_used)]
             anchor = mine[(tenant, agent)] = Anchor(agent)
-        if anchor.last_call is not None:
-            gap = max(0.0, now - anchor.last_call)
-            avg = anchor.call_gap_s
-            anchor.call_gap_s = gap if avg is None else (1 - _GAP_WEIGHT) * avg + _GAP_WEIGHT * gap
-        anchor.last_used, anchor.held, anchor.last_call = now, False, now
+        anchor.last_used, anchor.held = now, False
         anchor.calls_since_learned += 1
         if anchor.calls_since_learned < anchor.learn_after:
             return
@@ -174,10 +164,10 @@ class AnchorKeeper:
         """The session ended: it no longer counts in any agent's demand."""
         self._last.pop((tenant, sid), None)
 
-    def demand(self, now: float) -> dict[str, float]:
-        """Expected next calls per (tenant, agent) id from the sessions active within
-        ``anchor_window_s``."""
-        since = now - self.settings.anchor_window_s
+    def demand(self, now: float) -> dict[AnchorId, float]:
+        """Expected next calls per (tenant, agent) from the sessions active within
+        ``window_s``."""
+        since = now - self.window_s
         live: dict[str, dict[str, int]] = {}  # tenant -> last agent -> live sessions
         for (tenant, _), (agent, at) in reversed(self._last.items()):  # most recent first
             if at < since:
@@ -185,37 +175,37 @@ class AnchorKeeper:
             by_agent = live.setdefault(tenant, {})
             by_agent[agent] = by_agent.get(agent, 0) + 1
         return {
-            _id(tenant, agent): d
+            AnchorId(tenant, agent): d
             for tenant, by_agent in live.items()
             for agent, d in anchor_demand(by_agent, self.models[tenant]).items()
         }
 
     # --- the retention tick -----------------------------------------------------------------
     async def tick(self, es: EngineState, now: float, horizon_s: float) -> None:
-        """Learn the anchors that have two samples, then (``retention.anchors``) touch the ones
-        the plan picks."""
-        mine = self.anchors.get(es.engine.name)
+        """Learn the anchors that have two samples, then touch the ones the plan picks."""
+        mine = self.anchors.get(es.name)
         if not mine:
             return
         for anchor in list(mine.values()):  # (requests may add anchors while this awaits)
             if anchor.learnable:
                 await self._learn(es, anchor, now)
-        if not self.settings.anchors or es.subscriber is None or es.load is None or es.tap is None:
+        signals = es.signals
+        if not signals.has_events or signals.load is None:
             return  # without KV events nothing says which anchor blocks are still cached
         demand = self.demand(now)
-        views: dict[str, tuple[Anchor, AnchorView]] = {}
+        views: dict[tuple[str, str], tuple[Anchor, AnchorView[tuple[str, str]]]] = {}
         for (tenant, agent), anchor in mine.items():
             if anchor.blocks:
-                anchor_id = _id(tenant, agent)
+                anchor_id = AnchorId(tenant, agent)
                 views[anchor_id] = (
                     anchor,
                     AnchorView(
                         anchor_id=anchor_id,
                         n_blocks=len(anchor.blocks),
-                        resident_blocks=es.index.resident_prefix(anchor.blocks),
+                        resident_blocks=signals.resident_prefix(anchor.blocks),
                         last_used_at=anchor.last_used,
                         demand=demand.get(anchor_id, 0.0),
-                        allocated_since=es.tap.allocated_since(anchor.last_used),
+                        allocated_since=signals.tap.allocated_since(anchor.last_used),
                         touch_in_flight=anchor.in_flight,
                         held=anchor.held,
                     ),
@@ -228,54 +218,26 @@ class AnchorKeeper:
             now,
             # the soft-TTL budget's rule: the share shrinks as traffic needs the space
             max_blocks=effective_budget(
-                es.load,
-                BudgetConfig(
-                    share=self.settings.anchor_pool_share,
-                    min_factor=self.settings.anchor_min_factor,
-                ),
+                signals.load, BudgetConfig(share=POOL_SHARE, min_factor=MIN_FACTOR)
             )[0],
-            urgent_blocks=self.settings.safety_fraction * es.load.free_blocks,
-            slots=self.settings.max_concurrent_touches
-            - sum(a.in_flight for a, _ in views.values()),
+            urgent_blocks=self.config.safety_fraction * signals.load.free_blocks,
+            slots=self.max_touches - sum(a.in_flight for a, _ in views.values()),
             config=self.config,
         )
-        for anchor_id in chosen:
-            anchor, view = views[anchor_id]
-            reserved = es.overhead.admit_touch(ANCHOR_TOUCH)
+        for chosen_id in chosen:
+            anchor, view = views[chosen_id]
+            reserved = signals.overhead.admit_touch(ANCHOR_TOUCH)
             if reserved is None:
-                self.metrics.anchor_touches.labels(es.engine.name, "over_budget").inc()
+                self.metrics.anchor_touches.labels(es.name, "over_budget").inc()
                 continue
             anchor.in_flight = True
-            self._track(
+            self.touches.track(
                 es,
                 self._touch(es, anchor, view.resident_blocks),
                 reserved,
                 anchor.touch_done,
                 ANCHOR_TOUCH,
             )
-
-    def pin_candidates(self, engine: str, now: float) -> list[AnchorPin]:
-        """The learned anchors on ``engine`` whose agents some live session may call next (the
-        next-agent model's demand is above zero; a threshold would drop a pin whenever demand
-        dipped, and the tier's LRU would take its chunks before it came back) and that have been
-        called twice, each with its expected next use
-        (:func:`policy.tier_pins.anchor_next_use_s`)."""
-        demand = self.demand(now)
-        return [
-            AnchorPin(
-                tenant,
-                agent,
-                a.tokens[:-1],  # (``tokens`` ends one token past its whole blocks)
-                a.cache_salt,
-                a.learned_at,
-                anchor_next_use_s(a.call_gap_s, now - a.last_call),
-            )
-            for (tenant, agent), a in self.anchors.get(engine, {}).items()
-            if a.blocks
-            and a.call_gap_s is not None
-            and a.last_call is not None
-            and demand.get(_id(tenant, agent), 0.0) > 0
-        ]
 
     async def _learn(self, es: EngineState, anchor: Anchor, now: float) -> None:
         """The common leading whole blocks of the two samples' token ids."""
@@ -289,47 +251,43 @@ class AnchorKeeper:
         except (AdapterError, ValueError, TypeError, KeyError) as exc:
             log.debug("anchor of %s not learned: %s", anchor.agent, exc)
             return
-        bs = es.adapter.cache.block_size
+        bs = es.signals.block_size
         n_blocks = common_prefix(a, b) // bs
         anchor.calls_since_learned = 0
-        if n_blocks < self.settings.anchor_min_blocks:
+        if n_blocks < MIN_BLOCKS:
             # calls of this agent share no anchor (yet): ask again after 1, 2, 4... calls
             anchor.failures += 1
-            anchor.learn_after = min(self.settings.anchor_relearn_calls, 2**anchor.failures)
+            anchor.learn_after = min(self.relearn_calls, 2**anchor.failures)
             return
         salt = a_body.get("cache_salt") if isinstance(a_body, dict) else None
         anchor.cache_salt = salt if isinstance(salt, str) else None
         # one token past the last whole block: vLLM looks up at most prompt - 1 tokens
         anchor.tokens = a[: n_blocks * bs + 1]
-        anchor.blocks = tuple(es.adapter.hasher.block_ids(a[: n_blocks * bs], cache_salt=salt))
-        anchor.learned_at = now
-        anchor.failures, anchor.learn_after = 0, self.settings.anchor_relearn_calls
+        anchor.blocks = tuple(es.adapter.hash_blocks(a[: n_blocks * bs], cache_salt=salt))
+        anchor.failures, anchor.learn_after = 0, self.relearn_calls
         anchor.first = anchor.second = None
 
     async def _touch(self, es: EngineState, anchor: Anchor, resident: int) -> int:
         """Re-send the anchor's still-resident blocks (plus one token), like a session touch;
         the prompt tokens it recomputed."""
-        bs = es.adapter.cache.block_size
-        tokens = anchor.tokens[: resident * bs + 1]
-        name = es.engine.name
-        es.retention_sent += len(tokens)  # counted when sent, not earned
+        tokens = anchor.tokens[: resident * es.signals.block_size + 1]
+        es.signals.sent(len(tokens))
         try:
-            result = await self._in_time(
-                es, es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
+            result = await self.touches.in_time(
+                es.adapter.touch_tokens(tokens, cache_salt=anchor.cache_salt)
             )
-        except AdapterError as exc:
-            self.metrics.anchor_touches.labels(name, "failed").inc()
-            log.warning("anchor touch of %s failed: %s", anchor.agent, exc)
+        except TouchLate:  # not served within the touch deadline: abandoned
+            self.metrics.anchor_touches.labels(es.name, "late").inc()
             return 0
-        if result is None:  # not served within the touch deadline: abandoned
-            self.metrics.anchor_touches.labels(name, "late").inc()
+        except AdapterError as exc:
+            self.metrics.anchor_touches.labels(es.name, "failed").inc()
+            log.warning("anchor touch of %s failed: %s", anchor.agent, exc)
             return 0
         now = time.time()
         if now > anchor.last_used:  # (a call of its agent may have come in meanwhile)
             anchor.last_used, anchor.held = now, True
-        assert es.tap is not None
-        es.tap.note_used(anchor.blocks[:resident], now)
-        self.metrics.anchor_touches.labels(name, "ok").inc()
+        es.signals.note_used(anchor.blocks[:resident], now)
+        self.metrics.anchor_touches.labels(es.name, "ok").inc()
         self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
         self.metrics.touch_recomputed_tokens.inc(result.recomputed_tokens)
         return result.recomputed_tokens
@@ -342,7 +300,7 @@ class AnchorKeeper:
                 "tenant": owner,
                 "agent": agent,
                 "blocks": len(a.blocks),
-                "demand": round(demand.get(_id(owner, agent), 0.0), 3),
+                "demand": round(demand.get(AnchorId(owner, agent), 0.0), 3),
                 "idle_s": round(max(0.0, now - a.last_used), 3),
             }
             for (owner, agent), a in self.anchors.get(engine, {}).items()

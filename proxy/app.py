@@ -9,23 +9,26 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from redis.asyncio import Redis
 
 from adapters.base import AdapterError, CacheConfig
 from adapters.lmcache import LMCacheAdapter, LMCacheConfig
-from adapters.vllm import EventEndpoints, VLLMAdapter
+from adapters.registry import AdapterSpec, create_adapter
 from policy.admission import admission_priority
 from proxy import redisconn
 from proxy.access import access_log
 from proxy.admin import add_admin_routes
+from proxy.anchors import AnchorKeeper
 from proxy.auth import TenantMap
+from proxy.block_cache import BlockCache
 from proxy.completions import CompletionWriter
 from proxy.console import add_console_routes
-from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor
 from proxy.embedded import EmbeddedRedis
+from proxy.engine_state import EngineState
 from proxy.errors import (
     PayloadTooLarge,
     RequestTimeout,
@@ -38,12 +41,14 @@ from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.prefix_share import PrefixShare
-from proxy.retention import EngineState, Retention
+from proxy.retention import Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Limits, Settings
 from proxy.store import SessionStore
-from proxy.upstream import EnginePool, make_client
+from proxy.tiers import TierKeeper
+from proxy.touches import TouchRunner
+from proxy.upstream import Engine, EnginePool, make_client
 from proxy.watch import StoreWatch, redacted, watch
 
 log = logging.getLogger("kvkeeper.app")
@@ -67,42 +72,64 @@ def _touch_priority() -> int:
     return admission_priority(time.time(), 0.0)
 
 
+def build_engines(settings: Settings, client: aiohttp.ClientSession) -> list[Engine]:
+    """One engine per spec, each behind the adapter its ``kind`` names."""
+    cache = CacheConfig(
+        block_size=settings.cache.block_size or 32, hash_seed=settings.cache.hash_seed
+    )
+    priority = _touch_priority if settings.admission.enabled is not False else None
+    engines = []
+    for spec in settings.engines:
+        adapter = create_adapter(
+            spec.kind, AdapterSpec(spec.label, spec.url, spec.events, cache, priority), client
+        )
+        # stamped from the start only when configured; with None, once the engine said it
+        # schedules by priority (detect_scheduling)
+        adapter.prioritized = settings.admission.enabled is True
+        engines.append(Engine(spec, adapter))
+    return engines
+
+
 def build_retention(
     settings: Settings, store: SessionStore, pool: EnginePool, metrics: Metrics
 ) -> Retention:
-    """One adapter (+ offload tier) per engine, sharing the proxy's client session."""
-    cache = CacheConfig(
-        block_size=settings.retention.block_size or 32, hash_seed=settings.retention.hash_seed
-    )
+    """The retention layer and its parts, each from its own settings group."""
     states = []
     for engine in pool.engines:
-        spec = engine.spec
-        adapter = VLLMAdapter(
-            engine.name,
-            engine.url,
-            pool.client,
-            cache=cache,
-            events=EventEndpoints(endpoint=spec.events) if spec.events else None,
-            touch_priority=(
-                _touch_priority if settings.retention.admission_priority is not False else None
-            ),
-        )
+        lmc = engine.spec.lmcache
         tier = None
-        if spec.lmcache is not None:
+        if lmc is not None:
             tier = LMCacheAdapter(
                 pool.client,
                 LMCacheConfig(
-                    coordinator_url=spec.lmcache.coordinator_url,
-                    server_url=spec.lmcache.server_url,
-                    model_name=spec.lmcache.model_name,
-                    chunk_size=spec.lmcache.chunk_size,
+                    coordinator_url=lmc.coordinator_url,
+                    server_url=lmc.server_url,
+                    model_name=lmc.model_name,
+                    chunk_size=lmc.chunk_size,
                 ),
             )
-        # stamped from the start only when configured; with None, once the engine said it
-        # schedules by priority (Retention._connect)
-        adapter.prioritized = settings.retention.admission_priority is True
-        states.append(EngineState(engine=engine, adapter=adapter, tier=tier))
-    return Retention(store, states, settings.retention, metrics, pool.client)
+        states.append(EngineState(engine=engine, tier=tier))
+    r = settings.retention
+    blocks = BlockCache(store, {es.name: es for es in states})
+    touches = TouchRunner(store, blocks, metrics, r.touch_deadline_s)
+    anchors = None
+    if settings.anchors.enabled:
+        anchors = AnchorKeeper(
+            metrics,
+            touches,
+            safety_fraction=r.safety_fraction,
+            max_touches=r.max_concurrent_touches,
+        )
+    return Retention(
+        store,
+        states,
+        r,
+        metrics,
+        tiers=TierKeeper(store, settings.tier, metrics),
+        anchors=anchors,
+        blocks=blocks,
+        touches=touches,
+    )
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
@@ -155,7 +182,7 @@ class _BodyBudget:
 
 
 async def detect_scheduling(retention: Retention, retry_s: float, stopping: asyncio.Event) -> None:
-    """``admission_priority`` unset: stamp admission priorities on the engines that schedule
+    """``admission.enabled`` unset: stamp admission priorities on the engines that schedule
     by them, as each reports (vLLM's dev-mode ``/server_info``); an engine that cannot be
     reached yet is asked again every ``retry_s``. One that does not say stays first come,
     first served."""
@@ -171,7 +198,7 @@ async def detect_scheduling(retention: Retention, retry_s: float, stopping: asyn
             es.adapter.prioritized = policy == "priority"
             log.info(
                 "%s schedules %s: admission priorities %s",
-                es.engine.name,
+                es.name,
                 policy or "(not reported)",
                 "on" if es.adapter.prioritized else "off",
             )
@@ -216,13 +243,9 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             redis, settings.limits, namespace=settings.namespace, on_error=store_failed
         )
         store_watch.store = store
-        pool = EnginePool(settings.engines, client, metrics)
+        pool = EnginePool(build_engines(settings, client), client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
         rt.completions = CompletionWriter(store, on_drop=metrics.completions_dropped.inc)
-        if settings.retention.dispatch_ahead:
-            rt.dispatch = DispatchGate(
-                settings.retention.dispatch_ahead, settings.retention.dispatch_max_wait_s
-            )
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt
@@ -233,8 +256,9 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
                 url, socket_connect_timeout=REDIS_TIMEOUT_S, health_check_interval=15
             )
             rt.prefix_share = PrefixShare(
-                redis, subscriber, settings.namespace, rt.prefixes, pool.by_name
+                redis, subscriber, settings.namespace, rt.placer.prefixes, pool.by_name
             )
+            rt.placer.share = rt.prefix_share
             rt.prefix_share.start()
         app[RESPONSES] = ResponseMap(store, settings.response_ttl_s)
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
@@ -246,11 +270,12 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         checking: asyncio.Task[None] | None = None
         if settings.retention.enabled:
             rt.retention = build_retention(settings, store, pool, metrics)
-            await rt.retention.start()
+            rt.placer.known_blocks = rt.retention.blocks.known
+            await rt.retention.start(discover_cache=settings.cache.block_size is None)
             checking = asyncio.create_task(
                 check_engines(rt.retention, app[HASH_CHECKS], metrics, stopping)
             )
-            if settings.retention.admission_priority is None:
+            if settings.admission.enabled is None:
                 rt.spawn(detect_scheduling(rt.retention, settings.health_interval_s, stopping))
             if edits is None:
                 rt.edits = SessionOps(store, rt.retention, metrics, settings.limits.max_ttl_s)

@@ -47,6 +47,7 @@ from proxy.console_models import (
     TierPins,
 )
 from proxy.errors import BadRequest, NotFound
+from proxy.keys import SessionKey
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import SEP, STATES, Session, SessionStore, StoreDown
 
@@ -287,9 +288,9 @@ async def session_detail(
         raise NotFound(f"no session {sid!r}", code="unknown_session")
     residency: dict[str, dict[str, int]] = {}
     if rt.retention is not None:
-        blocks = await rt.retention.blocks_of(tenant, sid, session)
+        blocks = await rt.retention.blocks.blocks_of(SessionKey(tenant, sid), session)
         for name, es in rt.retention.engines.items():
-            residency[name] = es.index.prefix_by_medium(blocks) if blocks else {}
+            residency[name] = es.signals.index.prefix_by_medium(blocks) if blocks else {}
     body = SessionDetail(
         session=_view(rt, session, time.time(), True, await _tier_pins(rt, store)),
         children=list(session.children),
@@ -318,12 +319,12 @@ def _view(
     c = s.counters
     gpu = tier = blocks = None
     if rt.retention is not None:
-        known = rt.retention.known_blocks(s.tenant, s.session_id)
+        known = rt.retention.blocks.known(SessionKey(s.tenant, s.session_id))
         if known:
             blocks = len(known)
-            es = rt.retention.engines.get(s.engine or "")
-            if es is not None:
-                media = es.index.prefix_by_medium(known)
+            engine = rt.pool.get(s.engine)
+            if engine is not None:
+                media = engine.signals.index.prefix_by_medium(known)
                 gpu = media.get(GPU, 0)
                 tier = max((n for m, n in media.items() if m != GPU), default=0)
     prompt = c.get("prompt_tokens", 0)
@@ -420,9 +421,8 @@ class Series:
                 prev = cur
             prompt = cur.prompt - prev.prompt
             count = cur.ttft_count - prev.ttft_count
-            es = rt.retention.engines.get(name) if rt.retention is not None else None
-            load = es.load if es is not None else None
-            horizon = es.last_horizon_s if es is not None else math.inf
+            load = engine.signals.load
+            horizon = engine.signals.horizon_s
             point = SeriesPoint(
                 t=round(now, 3),
                 requests=int(cur.requests - prev.requests),
@@ -444,7 +444,7 @@ def _engine(
     e = rt.pool.by_name[name]
     view = rt.retention.engine_view(name, tenant) if rt.retention is not None else {}
     es = rt.retention.engines.get(name) if rt.retention is not None else None
-    load = es.load if es is not None else None
+    load = e.signals.load
     over = view.get("overhead")
     tier = view.get("tier_pinned")
     served = [p for p in series if p.hit_rate is not None]

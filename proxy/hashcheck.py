@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from adapters.block_hash import BlockHasher
-from adapters.kv_events import GPU, BlockStored, EventBatch, EventSink
+from adapters.base import EngineAdapter, EventSink
+from adapters.kv_events import GPU, BlockStored, EventBatch
 
 if TYPE_CHECKING:
+    from proxy.engine_state import EngineState
     from proxy.metrics import Metrics
-    from proxy.retention import EngineState, Retention
+    from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.hashcheck")
 
@@ -63,9 +64,9 @@ class CheckingSink:
     """An event sink in front of the engine's own: compares root ``BlockStored`` hashes with
     kvkeeper's for the same token ids, then passes the batch on unchanged."""
 
-    def __init__(self, inner: EventSink, hasher: BlockHasher, result: HashCheck) -> None:
+    def __init__(self, inner: EventSink, adapter: EngineAdapter, result: HashCheck) -> None:
         self.inner = inner
-        self.hasher = hasher
+        self.adapter = adapter
         self.result = result
         self.decided = asyncio.Event()
 
@@ -86,9 +87,9 @@ class CheckingSink:
                     return
 
     def _compare(self, event: BlockStored) -> None:
-        size = self.hasher.block_size
+        size = self.adapter.cache.block_size
         n = min(len(event.block_hashes), len(event.token_ids) // size)
-        ours = self.hasher.block_ids(event.token_ids[: n * size]) if n else []
+        ours = self.adapter.hash_blocks(event.token_ids[: n * size]) if n else []
         r = self.result
         r.checked_at = time.time()
         if n and event.block_size == size and ours == list(event.block_hashes[:n]):
@@ -99,7 +100,7 @@ class CheckingSink:
         r.mismatched += 1
         r.detail = (
             f"{r.mismatched} stored prompts hashed differently: the engine's block size "
-            f"{event.block_size}, kvkeeper's {size} with hash seed {self.hasher.hash_seed!r}; "
+            f"{event.block_size}, kvkeeper's {size} with hash seed {self.adapter.cache.hash_seed!r}; "
             "start the engine with PYTHONHASHSEED equal to retention.hash_seed and "
             "--prefix-caching-hash-algo sha256_cbor"
         )
@@ -113,22 +114,18 @@ class CheckingSink:
 
 async def fall_back(es: EngineState) -> None:
     """Stop trusting the engine's events: feedback mode from now on."""
-    sub, es.subscriber = es.subscriber, None
-    if sub is not None:
-        await sub.aclose()
-    if es.tap is not None:
-        es.tap.clear()
+    await es.signals.fall_back()
 
 
 async def check_engine(
     name: str, es: EngineState, result: HashCheck, metrics: Metrics, stopping: asyncio.Event
 ) -> None:
     """Watch one engine's events until the check is decided (or ``stopping`` is set)."""
-    sub = es.subscriber
+    sub = es.signals.subscription
     if sub is None:
         result.status, result.detail = "no_events", "no KV events: nothing to check"
         return
-    checking = CheckingSink(sub.sink, es.adapter.hasher, result)
+    checking = CheckingSink(sub.sink, es.adapter, result)
     decode_before = sub.token_ids
     sub.sink, sub.token_ids = checking, True
     waits = [asyncio.ensure_future(checking.decided.wait()), asyncio.ensure_future(stopping.wait())]

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from adapters.base import AdapterError
-from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
 from proxy.context import decode_context
 from proxy.metrics import Metrics
 from proxy.store import StoreDown
 
 if TYPE_CHECKING:
-    from proxy.retention import EngineState
+    from proxy.engine_state import EngineState
     from proxy.store import SessionStore
 
 log = logging.getLogger("kvkeeper.longterm")
@@ -200,11 +199,11 @@ class LongRetention:
         if blob is None:
             return None
         ctx = decode_context(blob)
-        if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+        if not es.adapter.tokenizable(ctx.route):
             return None  # /v1/messages, /v1/responses: no tokenizer route to key them
         tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
         if ctx.block_offset is not None:
-            tokens = tokens[: ctx.block_offset * es.adapter.cache.block_size]
+            tokens = tokens[: ctx.block_offset * es.signals.block_size]
         salt = ctx.body.get("cache_salt")
         return tokens, salt if isinstance(salt, str) else None
 

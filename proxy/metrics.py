@@ -107,8 +107,8 @@ class Metrics:
         )
         self.admission_slack = Histogram(
             "kvkeeper_admission_slack_seconds",
-            "Slack of the admission priority stamped on forwarded requests (X-Vllm-Priority "
-            "less the send time; retention.admission_priority)",
+            "Slack of the admission priority stamped on forwarded requests (the engine "
+            "priority less the send time; admission.enabled)",
             buckets=(-1.0, 0.0, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0),
             registry=r,
         )

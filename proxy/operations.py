@@ -21,11 +21,16 @@ from adapters.base import AdapterError, TouchResult
 from policy.anchors import common_prefix
 from proxy.context import decode_context
 from proxy.edits import EditResult
+from proxy.engine_state import EngineState
 from proxy.hints import Edit
+from proxy.keys import SessionKey
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
-from proxy.retention import EngineState, Retention
+from proxy.retention import Retention
 from proxy.store import Session, SessionStore, StoreDown
+
+# a warm-up that would re-prefill more than this share of the pool is declined
+PREFETCH_MAX_POOL_SHARE = 0.25
 
 
 class SessionOps:
@@ -58,14 +63,12 @@ class SessionOps:
         session = await self.store.get(tenant, sid)
         if session is None:
             return EditResult(edit, "rejected", "unknown_session")
-        blocks = await self.retention.blocks_of(tenant, sid, session)
+        blocks = await self.retention.blocks.blocks_of(SessionKey(tenant, sid), session)
         if edit.block_end is not None and edit.block_end > len(blocks):
             return EditResult(
                 edit, "rejected", "range_out_of_bounds", {"session_blocks": len(blocks)}
             )
-        es = self.retention.engines.get(session.engine or "") or next(
-            iter(self.retention.engines.values())
-        )
+        es = self.retention.engine_for(session)
         handler = {"evict": self._evict, "offload": self._offload, "prefetch": self._prefetch}
         if edit.type in handler:
             return await handler[edit.type](es, session, edit)
@@ -80,7 +83,7 @@ class SessionOps:
         ctx = decode_context(blob)
         tokens = await es.adapter.tokenize(ctx.route, ctx.body)
         if edit.block_end is not None:
-            tokens = tokens[: edit.block_end * es.adapter.cache.block_size]
+            tokens = tokens[: edit.block_end * es.signals.block_size]
         return tokens
 
     async def _shared_blocks(self, session: Session) -> int:
@@ -93,12 +96,18 @@ class SessionOps:
             parent = await self.store.get(session.tenant, session.parent)
             if parent is not None:
                 relatives.extend(c for c in parent.children if c != session.session_id)
-        mine = await self.retention.blocks_of(session.tenant, session.session_id, session)
-        shared = self.retention.shared_prefix(session.tenant, session.session_id, mine)
+        mine = await self.retention.blocks.blocks_of(
+            SessionKey(session.tenant, session.session_id), session
+        )
+        shared = self.retention.blocks.shared_prefix(
+            SessionKey(session.tenant, session.session_id), mine
+        )
         for other in await self.store.get_many(session.tenant, relatives):
             if other is None or other.state not in ("active", "protected"):
                 continue
-            theirs = await self.retention.blocks_of(other.tenant, other.session_id, other)
+            theirs = await self.retention.blocks.blocks_of(
+                SessionKey(other.tenant, other.session_id), other
+            )
             shared = max(shared, common_prefix(mine, theirs))
         return shared
 
@@ -116,7 +125,7 @@ class SessionOps:
         if es.tier is not None:
             tokens = await self._tokens(es, session, edit)
             if tokens:
-                keep = max(await self._shared_blocks(session), start) * es.adapter.cache.block_size
+                keep = max(await self._shared_blocks(session), start) * es.signals.block_size
                 if keep == 0:
                     res = await es.tier.delete_prefix(tokens)
                     detail["tier_chunks_deleted"] = res.chunks
@@ -142,9 +151,7 @@ class SessionOps:
             # what the engine no longer holds is re-prefilled just to be stored: retention's
             # cost, within its credit like a warm-up's
             missing = await self._lost_blocks(es, session, edit)
-            paid = await self._paid_replay(
-                es, session, edit, missing * es.adapter.cache.block_size + 1
-            )
+            paid = await self._paid_replay(es, session, edit, missing * es.signals.block_size + 1)
             if isinstance(paid, EditResult):
                 return paid
             touched = True
@@ -170,16 +177,18 @@ class SessionOps:
 
     async def _prefix_blocks(self, session: Session, edit: Edit) -> tuple[int, ...]:
         """The block ids of the session's prefix the edit covers (up to ``edit.block_end``)."""
-        blocks = await self.retention.blocks_of(session.tenant, session.session_id, session)
+        blocks = await self.retention.blocks.blocks_of(
+            SessionKey(session.tenant, session.session_id), session
+        )
         return blocks[: edit.block_end] if edit.block_end is not None else blocks
 
     async def _lost_blocks(self, es: EngineState, session: Session, edit: Edit) -> int:
         """Blocks of the session's prefix (up to ``edit.block_end``) the engine no longer holds
         (0 without KV events: unknown)."""
-        if es.subscriber is None:
+        if not es.signals.has_events:
             return 0
         blocks = await self._prefix_blocks(session, edit)
-        return len(blocks) - es.index.resident_prefix(blocks) if blocks else 0
+        return len(blocks) - es.signals.resident_prefix(blocks) if blocks else 0
 
     async def _prefetch(self, es: EngineState, session: Session, edit: Edit) -> EditResult:
         detail: dict[str, Any] = {}
@@ -214,20 +223,26 @@ class SessionOps:
         """Re-send the session's prefix (a warm-up) when the engine's retention credit covers
         the ``recompute_tokens`` it is expected to cost, settled afterwards with what it did
         recompute; else why not. None: no recorded context."""
-        if not es.overhead.admit(recompute_tokens):
+        if not es.signals.overhead.admit(recompute_tokens):
             return EditResult(
                 edit,
                 "rejected",
                 "exceeds_overhead_budget",
-                {"recompute_tokens": recompute_tokens, "credit_tokens": int(es.overhead.credit)},
+                {
+                    "recompute_tokens": recompute_tokens,
+                    "credit_tokens": int(es.signals.overhead.credit),
+                },
             )
         result = None
         try:
-            result = await self.retention.replay(
-                es, session.tenant, session.session_id, warmup=True, limit_blocks=edit.block_end
+            result = await self.retention.touches.replay(
+                es,
+                SessionKey(session.tenant, session.session_id),
+                warmup=True,
+                limit_blocks=edit.block_end,
             )
         finally:
-            es.overhead.settle(recompute_tokens, result.recomputed_tokens if result else 0)
+            es.signals.overhead.settle(recompute_tokens, result.recomputed_tokens if result else 0)
         return result
 
     async def _warmup_cost(
@@ -237,7 +252,7 @@ class SessionOps:
 
         A warm-up loads what the offload tier holds (``tier_tokens`` of the prefix) and
         re-prefills what neither the engine nor the tier kept. Decline it when that lost part
-        is more than ``prefetch_max_pool_share`` of the pool: LRU would evict it (and others'
+        is more than ``PREFETCH_MAX_POOL_SHARE`` of the pool: LRU would evict it (and others'
         prefixes) again before the resume, which pays for it anyway if it comes. Decline it
         too while requests wait at the engine (its pool or its token budget is full): the
         re-prefill would only move the resume's compute ahead of theirs, and evict what they
@@ -249,30 +264,30 @@ class SessionOps:
         declined = await self._decline_warmup(es, session, edit, tier_tokens)
         if isinstance(declined, EditResult):
             return declined
-        return declined * es.adapter.cache.block_size + 1 if declined else 1
+        return declined * es.signals.block_size + 1 if declined else 1
 
     async def _decline_warmup(
         self, es: EngineState, session: Session, edit: Edit, tier_tokens: int | None
     ) -> EditResult | int | None:
         """The prefix blocks a warm-up would re-prefill (None: unknown), or why it is declined
         (see :meth:`_warmup_cost`)."""
-        if es.subscriber is None or es.load is None:
+        if not es.signals.has_events or es.signals.load is None:
             return None
         blocks = await self._prefix_blocks(session, edit)
         if not blocks:
             return None
-        in_tier = (tier_tokens or 0) // es.adapter.cache.block_size
-        kept = max(es.index.resident_prefix(blocks), in_tier)
+        in_tier = (tier_tokens or 0) // es.signals.block_size
+        kept = max(es.signals.resident_prefix(blocks), in_tier)
         missing = len(blocks) - min(kept, len(blocks))
         detail = {"blocks": len(blocks), "missing_blocks": missing}
         if tier_tokens is not None:
             detail["tier_tokens"] = tier_tokens
-        limit = self.retention.settings.prefetch_max_pool_share * es.load.pool_blocks
+        limit = PREFETCH_MAX_POOL_SHARE * es.signals.load.pool_blocks
         if missing > limit:
             detail["limit_blocks"] = int(limit)
             return EditResult(edit, "rejected", "exceeds_prefetch_budget", detail)
         if missing:
-            load = await self.retention.fresh_load(es)
+            load = await es.signals.fresh_load()
             waiting = (load.waiting or 0) if load is not None else 0
             if waiting > 0:
                 detail["waiting"] = int(waiting)

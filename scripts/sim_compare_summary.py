@@ -7,7 +7,7 @@ Settings run with ``--repeats`` (``REPEATS=N bash scripts/bench_sim_compare.sh``
 their own: mean and range over rounds of every figure, the paired difference to each round's
 baseline included.
 
-One row per setting and ``full`` / ``full+dispatch`` target (two replicas: also ``none`` and
+One row per setting and ``full`` target (two replicas: also ``none`` and
 ``vllm-router``): hit rate against the baseline (``engine``; ``round-robin`` with two replicas)
 and the realized ceilings, the share of the LRU-to-Belady gap
 closed, mean / p90 TTFT against the baseline, and retention overhead. Also the run-to-run noise
@@ -122,9 +122,7 @@ def rows(root: Path) -> list[str]:
             if one and "none" in targets
             else None
         )
-        names = (
-            ("full", "full+dispatch") if one else ("none", "full", "full+dispatch", "vllm-router")
-        )
+        names = ("full",) if one else ("none", "full", "vllm-router")
         for tname in names:
             t = targets.get(tname)
             if t is None:

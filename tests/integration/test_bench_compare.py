@@ -51,15 +51,14 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
 @pytest.mark.parametrize(
     ("requested", "replicas", "router", "expected"),
     [
-        ((), 1, None, [("engine", None), ("none", None), ("session", None), ("full", None),
-                        ("full+dispatch", None)]),
-        ((), 2, "/x", [("none", None), ("session", None), ("full", None), ("full+dispatch", None),
+        ((), 1, None, [("engine", None), ("none", None), ("session", None), ("full", None)]),
+        ((), 2, "/x", [("none", None), ("session", None), ("full", None),
                        ("round-robin", None), ("vllm-router", None)]),
         (("full", "full+unbounded"), 1, None, [("full", None), ("full+unbounded", None)]),
         (("none+priority", "full+priority"), 2, None,
          [("none+priority", None), ("full+priority", None)]),
-        (("full+pins@tier_pin_share=0.8", "full@dispatch_ahead=2@budget_share=0.3"), 1, None,
-         [("full+pins@tier_pin_share=0.8", None), ("full@dispatch_ahead=2@budget_share=0.3", None)]),
+        (("full+pins@tier_pin_share=0.8", "full@touch_deadline_s=2@budget_share=0.3"), 1, None,
+         [("full+pins@tier_pin_share=0.8", None), ("full@touch_deadline_s=2@budget_share=0.3", None)]),
         (("engine", "engine-belady"), 1, None, [("engine", None), ("engine-belady", None)]),
         (("engine-belady", "engine"), 1, None,
          [("engine-belady", "eviction by the future needs an earlier target's timeline: name it after "

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
+from proxy.keys import SessionKey
 from tests.helpers.redis_server import RedisServer
 from tests.integration.proxy_fixtures import ADMIN, proxy_stack
 from tests.integration.retention_fixtures import prompt, sim_stack, wait_for
@@ -167,7 +168,7 @@ async def test_show_operations_and_engines_against_the_simulator(
         retention = st.runtime().retention
 
         async def known() -> bool:
-            return len(await retention.blocks_of("default", "lead")) == 63
+            return len(await retention.blocks.blocks_of(SessionKey("default", "lead"))) == 63
 
         assert await wait_for(known)
         cli = _cli(str(st.proxy.make_url("/")).rstrip("/"), capsys)

@@ -50,7 +50,7 @@ async def test_other_seed_is_loud_and_falls_back_to_feedback(
         assert "PYTHONHASHSEED" in check["detail"]  # type: ignore[index]
         assert engine["retention"]["mode"] == "feedback"  # type: ignore[index]
         assert await st.metric("kvkeeper_hash_check") == 0.0
-        assert st.runtime().retention.engines[engine["name"]].subscriber is None  # type: ignore[union-attr,index]
+        assert st.runtime().retention.engines[engine["name"]].signals.subscription is None  # type: ignore[union-attr,index]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "hash check" in errors[0].getMessage()
     assert "feedback mode" in errors[0].getMessage()

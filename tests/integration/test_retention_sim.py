@@ -9,9 +9,10 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-import proxy.retention
+import proxy.block_cache
 from adapters.base import AdapterError
-from proxy.retention import PRUNE_EVERY_S
+from proxy.block_cache import PRUNE_EVERY_S
+from proxy.keys import SessionKey
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import (
     BLOCK,
@@ -48,14 +49,19 @@ async def _protected(st, sid: str):  # type: ignore[no-untyped-def]
     await st.runtime().settle()
     session = await retention.store.get("default", sid)
     assert session is not None
-    return retention, es, session, await retention.blocks_of("default", sid, session)
+    return (
+        retention,
+        es,
+        session,
+        await retention.blocks.blocks_of(SessionKey("default", sid), session),
+    )
 
 
 async def _known_blocks(st, sid: str, i: int = 0, n: int = 63) -> None:  # type: ignore[no-untyped-def]
     retention = st.runtime(i).retention
 
     async def known() -> bool:
-        return len(await retention.blocks_of("default", sid)) == n
+        return len(await retention.blocks.blocks_of(SessionKey("default", sid))) == n
 
     assert await wait_for(known), "retention never learned the session's blocks"
 
@@ -228,8 +234,8 @@ async def test_an_offload_that_must_re_prefill_spends_retention_credit(
         _, es = _engine_state(st)
 
         async def lost() -> bool:
-            blocks = await st.runtime().retention.blocks_of("default", "w")
-            return es.index.resident_prefix(blocks) == 0
+            blocks = await st.runtime().retention.blocks.blocks_of(SessionKey("default", "w"))
+            return es.signals.index.resident_prefix(blocks) == 0
 
         assert await wait_for(lost), "the flood never evicted the session"
         off = (await st.manage("w", "offload"))["results"][0]
@@ -240,7 +246,7 @@ async def test_an_offload_that_must_re_prefill_spends_retention_credit(
             assert await st.metric("kvkeeper_warmup_prompt_tokens_total") == 0  # none sent
         else:
             assert off["detail"]["touched"] is True
-            assert es.overhead.spent >= 1792  # the re-prefill was paid from the credit
+            assert es.signals.overhead.spent >= 1792  # the re-prefill was paid from the credit
 
 
 async def test_offload_without_a_tier_is_unsupported(
@@ -291,25 +297,27 @@ async def test_a_touch_resends_only_the_resident_prefix(
     # ticks far apart: this test drives the touches itself
     async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
         retention, es, session, blocks = await _protected(st, "part")
-        assert len(blocks) == 63 and retention._resident(es, blocks) == 63  # all resident
-        await retention._touch(es, session, 10)  # only the first 10 blocks
+        assert len(blocks) == 63 and es.signals.resident(blocks) == 63  # all resident
+        await retention.touches.touch_session(es, session, 10)  # only the first 10 blocks
         # one token past the 10 blocks: all 10 hit (vLLM looks up at most prompt - 1 tokens)
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 10 * BLOCK + 1
         assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 1
-        await retention._touch(es, session)  # all 63 resident: 63 blocks and one token
+        await retention.touches.touch_session(
+            es, session
+        )  # all 63 resident: 63 blocks and one token
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 73 * BLOCK + 2
         assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 2
         await _flood(st)  # 8 x 63 blocks through a 200-block pool: nothing of it is left
 
         async def gone() -> bool:
-            return retention._resident(es, blocks) == 0
+            return es.signals.resident(blocks) == 0
 
         assert await wait_for(gone), "the flood never evicted the session"
         # a touch finds that from the recorded context itself: nothing is sent, and the loss
         # is counted once until the session records something new
         sent = await st.metric("kvkeeper_touch_prompt_tokens_total")
         for _ in range(2):
-            await retention._touch(es, session)
+            await retention.touches.touch_session(es, session)
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == sent
         assert await st.metric("kvkeeper_touches_total", label='outcome="skipped_lost"') == 1
 
@@ -325,20 +333,20 @@ async def test_a_touch_stops_short_of_the_blocks_lru_takes_before_it_runs(
         await _flood(st, n=3)  # 189 blocks through a 200-block pool: the session's tail goes
 
         async def partly() -> bool:
-            return 0 < (retention._resident(es, blocks) or 0) < 63
+            return 0 < (es.signals.resident(blocks) or 0) < 63
 
-        assert await wait_for(partly), retention._resident(es, blocks)
-        resident = retention._resident(es, blocks)
+        assert await wait_for(partly), es.signals.resident(blocks)
+        resident = es.signals.resident(blocks)
         assert resident is not None
-        es.touch_latency_s = 0.0  # served at once: every resident block is safe
-        await retention._touch(es, session)
+        es.touch_latency.value = 0.0  # served at once: every resident block is safe
+        await retention.touches.touch_session(es, session)
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == resident * BLOCK + 1
         assert await st.metric("kvkeeper_touch_recomputed_tokens_total") == 1
         assert es.trimmed_blocks == 0
         # served in a minute at the flood's allocation rate: the front takes all of it first
-        es.touch_latency_s = 60.0
+        es.touch_latency.value = 60.0
         sent = await st.metric("kvkeeper_touch_prompt_tokens_total")
-        await retention._touch(es, session)
+        await retention.touches.touch_session(es, session)
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == sent  # nothing sent
         assert await st.metric("kvkeeper_touches_total", label='outcome="skipped_lost"') == 1
         assert es.trimmed_blocks == resident
@@ -371,18 +379,6 @@ async def _warm_after_cold(st: SimStack) -> list[str]:
     return done
 
 
-async def test_dispatch_gate_serves_resident_prefixes_first(
-    redis_server: RedisServer, namespace: str
-) -> None:
-    async with sim_stack(
-        redis_server.url, namespace, num_blocks=400, speed=5, dispatch_ahead=1
-    ) as st:
-        done = await _warm_after_cold(st)
-        gate = st.runtime().dispatch
-        assert gate is not None and gate.held >= 2
-        assert done.index("warm") < min(done.index("cold1"), done.index("cold2")), done
-
-
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
     redis_server: RedisServer, namespace: str, policy: str
@@ -401,7 +397,6 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
         priority_slack_ms_per_ktok=10_000,
     ) as st:
         done = await _warm_after_cold(st)
-        assert st.runtime().dispatch is None
         assert await st.metric("kvkeeper_admission_slack_seconds_count") == 5  # every request
         expected = ["cold0", "warm", "cold1", "cold2"]
         assert done == (expected if policy == "priority" else ["cold0", "cold1", "cold2", "warm"])
@@ -453,7 +448,7 @@ async def test_prefetch_without_a_tier_warms_only_what_fits(
 
 
 async def _loaded(es) -> bool:  # type: ignore[no-untyped-def]
-    return es.load is not None
+    return es.signals.load is not None
 
 
 async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
@@ -488,7 +483,7 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
         assert len(blocks) == 63
         fast = st.sim.engine.config
         st.sim.engine.config = replace(fast, speed=fast.speed / 100_000)
-        await retention._touch(es, session)
+        await retention.touches.touch_session(es, session)
         assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
         assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 0  # nothing counted
 
@@ -497,49 +492,6 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
             return st.sim.engine.stats.finished.get("abort", 0) == 1
 
         assert await wait_for(aborted), st.sim.engine.stats.finished
-        st.sim.engine.config = fast
-
-
-async def test_the_touch_deadline_stretches_to_the_engines_steps(
-    redis_server: RedisServer, namespace: str
-) -> None:
-    """On an engine whose steps outlast ``touch_deadline_s`` (here a 2,017-token prefill takes
-    0.5 s, as on a CPU engine), a touch sent during a step waits for it: abandoned while the
-    step length is unknown, served once kvkeeper has read it from the engine's prefill-time
-    histogram (the deadline becomes ``touch_deadline_steps`` steps)."""
-    async with sim_stack(
-        redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.2, touch_deadline_steps=3
-    ) as st:
-        retention, es, session, blocks = await _protected(st, "s")
-        assert len(blocks) == 63
-        es.step_s, es.step_seen = None, {}  # the step length not learned yet
-        await retention.fresh_load(es, max_age_s=0)  # (the histograms' baseline)
-        assert retention.touch_deadline(es) == 0.2
-        fast = st.sim.engine.config
-        st.sim.engine.config = replace(fast, speed=9)  # a 2,017-token prefill: 0.5 s
-
-        async def touch_during_a_prefill(seed: int) -> None:
-            flood = asyncio.create_task(st.complete(prompt(seed)))
-
-            async def prefilling() -> bool:
-                return bool(st.sim.engine.running)
-
-            assert await wait_for(prefilling, step=0.005)
-            await retention._touch(es, session)
-            await flood
-
-        await touch_during_a_prefill(2)
-        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
-        await retention.fresh_load(es, max_age_s=0)  # the 0.5 s prefill is in the histogram
-        assert es.step_s is not None and retention.touch_deadline(es) > 0.6, es.step_s
-        admin = {"Authorization": "Bearer admin-secret"}
-        engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
-        view = engines["data"][0]["retention"]
-        assert view["touch_deadline_s"] > 0.6 and view["step_s"] > 0.2, view
-
-        await touch_during_a_prefill(3)
-        assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 1
-        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
         st.sim.engine.config = fast
 
 
@@ -554,17 +506,21 @@ async def test_the_block_ids_of_sessions_the_store_dropped_are_forgotten(
             await st.complete(prompt(seed), {"session_id": sid})
             await _known_blocks(st, sid)
         retention, _ = _engine_state(st)
-        blocks = retention.known_blocks("default", "a")
-        assert retention.shared_prefix("default", "a", blocks) == 63  # b starts with them
+        blocks = retention.blocks.known(SessionKey("default", "a"))
+        assert (
+            retention.blocks.shared_prefix(SessionKey("default", "a"), blocks) == 63
+        )  # b starts with them
         store = retention.store
         assert await store.free("default", "b") == ["b"]
         await store.redis.delete(store.key("s", "default", "c"))  # as its idle expiry does
-        assert await retention.prune(time.time()) == 0  # not due yet
-        assert await retention.prune(time.time() + PRUNE_EVERY_S) == 2
-        assert retention.known_blocks("default", "b") == retention.known_blocks("default", "c")
-        assert retention.known_blocks("default", "c") == ()
-        assert retention.known_blocks("default", "a") == blocks  # alive: kept
-        assert retention.shared_prefix("default", "a", blocks) == 0
+        assert len(await retention.blocks.prune(time.time())) == 0  # not due yet
+        assert len(await retention.blocks.prune(time.time() + PRUNE_EVERY_S)) == 2
+        assert retention.blocks.known(SessionKey("default", "b")) == retention.blocks.known(
+            SessionKey("default", "c")
+        )
+        assert retention.blocks.known(SessionKey("default", "c")) == ()
+        assert retention.blocks.known(SessionKey("default", "a")) == blocks  # alive: kept
+        assert retention.blocks.shared_prefix(SessionKey("default", "a"), blocks) == 0
 
 
 async def test_block_ids_the_engine_failed_to_give_are_asked_for_again(
@@ -573,7 +529,7 @@ async def test_block_ids_the_engine_failed_to_give_are_asked_for_again(
     """A tokenize that fails (the engine busy or restarting) is not remembered as "no blocks"
     for the session's context: that left a protected session untouched and unpinned until its
     next request. It is asked again after ``LEARN_RETRY_S``, not on every tick."""
-    monkeypatch.setattr(proxy.retention, "LEARN_RETRY_S", 0.2)
+    monkeypatch.setattr(proxy.block_cache, "LEARN_RETRY_S", 0.2)
     async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
         await st.complete(prompt(1), {"session_id": "a"})
         await st.runtime().settle()
@@ -587,11 +543,13 @@ async def test_block_ids_the_engine_failed_to_give_are_asked_for_again(
             return await real(route, body)
 
         monkeypatch.setattr(es.adapter, "tokenize", flaky)
-        assert await retention.blocks_of("default", "a") == ()
-        assert await retention.blocks_of("default", "a") == ()  # within the retry delay
+        assert await retention.blocks.blocks_of(SessionKey("default", "a")) == ()
+        assert (
+            await retention.blocks.blocks_of(SessionKey("default", "a")) == ()
+        )  # within the retry delay
         assert len(calls) == 1
         await asyncio.sleep(0.25)
-        assert len(await retention.blocks_of("default", "a")) == 63
+        assert len(await retention.blocks.blocks_of(SessionKey("default", "a"))) == 63
         assert len(calls) == 2
 
 
@@ -606,10 +564,10 @@ async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, names
         st.sim.engine.config = replace(fast, speed=4.0)  # 5x slower: requests queue up
         queued = [asyncio.create_task(st.complete(prompt(300 + i))) for i in range(4)]
 
-        retention, es = _engine_state(st)
+        _retention, es = _engine_state(st)
 
         async def waiting() -> bool:  # as kvkeeper reads it (at most half a second old)
-            load = await retention.fresh_load(es)
+            load = await es.signals.fresh_load()
             return load is not None and (load.waiting or 0) > 0 and len(st.sim.engine.waiting) > 0
 
         assert await wait_for(waiting), "nothing ever waited at the engine"
@@ -646,10 +604,10 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
         await _known_blocks(st, "w", n=31)
         served += await _flood(st)
         kept = cached(await st.complete(prompt(1), {"session_id": "kept"}))
-        retention, es = _engine_state(st)
+        _retention, es = _engine_state(st)
 
         async def idle() -> bool:  # a touch still queued would decline it as engine_busy
-            load = await retention.fresh_load(es)
+            load = await es.signals.fresh_load()
             return load is not None and not load.waiting
 
         assert await wait_for(idle), "the engine kept a request waiting"
@@ -685,10 +643,10 @@ async def test_traffic_that_reached_the_engine_another_way_earns_retention_credi
         _, es = _engine_state(st)
 
         async def read() -> bool:
-            return es.queries_seen is not None
+            return es.signals.queries_seen is not None
 
         assert await wait_for(read), "the engine's counter was never read"
-        es.overhead.credit = 0.0
+        es.signals.overhead.credit = 0.0
         sent = 0
         async with aiohttp.ClientSession() as http:
             for i in range(3):  # straight to the engine, not through this proxy
@@ -697,10 +655,10 @@ async def test_traffic_that_reached_the_engine_another_way_earns_retention_credi
                     sent += (await resp.json())["usage"]["prompt_tokens"]
 
         async def earned() -> bool:
-            return es.overhead.credit >= 0.01 * sent
+            return es.signals.overhead.credit >= 0.01 * sent
 
-        assert await wait_for(earned), (es.overhead.credit, sent)
-        assert es.overhead.credit <= 0.01 * sent + 1
+        assert await wait_for(earned), (es.signals.overhead.credit, sent)
+        assert es.signals.overhead.credit <= 0.01 * sent + 1
         admin = {"Authorization": "Bearer admin-secret"}
         engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
         assert engines["data"][0]["retention"]["overhead"]["earned_from"] == "engine"
@@ -723,11 +681,11 @@ async def test_an_agents_anchor_outlives_a_flood_while_its_agent_is_expected(
         if anchors:
 
             async def learned() -> bool:
-                view = retention.engine_view(es.engine.name)["anchors"]
+                view = retention.engine_view(es.name)["anchors"]
                 return bool(view) and view[0]["blocks"] == 1000 // BLOCK
 
             assert await wait_for(learned), "the anchor was never learned"
-            view = retention.engine_view(es.engine.name)["anchors"][0]
+            view = retention.engine_view(es.name)["anchors"][0]
             assert view["agent"] == "coder" and view["demand"] > 1.5  # two sessions, ~1 each
         await _flood(st)  # 8 x 63 blocks through a 200-block pool
         hit = await st.agent_call("u3", "coder", anchor + prompt(99, 40))

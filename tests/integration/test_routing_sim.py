@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from loadgen.sim import SimConfig, run_simulator
 from policy.prefix_index import hash_chain
 from proxy.app import create_app
-from proxy.runtime import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS, RUNTIME
+from proxy.placement import PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS
+from proxy.runtime import RUNTIME
 from proxy.settings import load_settings
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt, wait_for
@@ -66,7 +67,7 @@ async def _pools_known(client: TestClient[Any, Any]) -> tuple[Any, list[str]]:
     names = [e.name for e in rt.pool.engines]
 
     async def known() -> bool:
-        return all(rt.retention.pool_tokens(n) for n in names)
+        return all(rt.pool.by_name[n].signals.pool_tokens() for n in names)
 
     assert await wait_for(known), "the replicas' pool sizes were never scraped"
     return rt, names
@@ -109,8 +110,8 @@ async def test_sessions_stay_children_follow_and_unhinted_spread(
         # (with and without a hint: the hinted body is re-serialized when the hint is stripped,
         # placement hashes what the client sent)
         rt = client.server.app[RUNTIME]
-        assert all(v == 0 for v in rt.prefill_pending.values())  # every request released its
-        assert set(rt.prefill_pending) == {e.name for e in rt.pool.engines}  # queued prefill
+        assert all(v == 0 for v in rt.placer.prefill_pending.values())  # every request released its
+        assert set(rt.placer.prefill_pending) == {e.name for e in rt.pool.engines}  # queued prefill
 
 
 async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
@@ -144,7 +145,7 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
         client = await two_replicas(stack, redis_server, namespace, num_blocks=300, tick_s=0.05)
         rt, names = await _pools_known(client)
         pool = 300 * SimConfig().block_size
-        assert rt.retention.pool_tokens(names[0]) == pool
+        assert rt.pool.by_name[names[0]].signals.pool_tokens() == pool
 
         def send(tokens: list[int]) -> Awaitable[str]:
             return placed(client, tokens)
@@ -153,14 +154,16 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
         home = await send(first)
         raw = json.dumps({"model": "sim", "prompt": first, "max_tokens": 1}).encode()
         chain = hash_chain(raw, PREFIX_CHUNK_BYTES, PREFIX_MAX_CHUNKS)
-        assert rt.prefixes.match(home, chain) == len(chain)
+        assert rt.placer.prefixes.match(home, chain) == len(chain)
         for seed in range(2, 16):  # 14 more 2K-token prompts: 7 per replica, 1.5x its cache
             await send(prompt(seed))
         for name in names:
-            limit = rt.prefixes.limit(name)
-            assert limit == int(pool / rt.chunk_tokens)
-            assert 0 < rt.prefixes.size(name) <= limit
-        assert rt.prefixes.match(home, chain) == 0  # the engine evicted it; the index let it go
+            limit = rt.placer.prefixes.limit(name)
+            assert limit == int(pool / rt.placer.chunk_tokens)
+            assert 0 < rt.placer.prefixes.size(name) <= limit
+        assert (
+            rt.placer.prefixes.match(home, chain) == 0
+        )  # the engine evicted it; the index let it go
 
 
 async def test_the_prefix_index_can_remember_several_caches_worth(
@@ -188,6 +191,8 @@ async def test_the_prefix_index_can_remember_several_caches_worth(
             await placed(client, prompt(seed))
         pool = 300 * SimConfig().block_size
         for name in names:  # (set at the last placement: tokens per chunk is learned since)
-            assert rt.prefixes.limit(name) == pytest.approx(4.0 * pool / rt.chunk_tokens, rel=0.05)
-        assert rt.prefixes.match(home, chain) == len(chain)
+            assert rt.placer.prefixes.limit(name) == pytest.approx(
+                4.0 * pool / rt.placer.chunk_tokens, rel=0.05
+            )
+        assert rt.placer.prefixes.match(home, chain) == len(chain)
         assert await placed(client, first) == home

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from proxy.tiers import ANCHOR_MARK
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt, sim_stack, wait_for
 
@@ -120,33 +119,6 @@ def _held(pinned: dict[str, int | None]) -> tuple[int | None, int | None]:
     return pinned["sessions"], pinned["chunks"]
 
 
-@pytest.mark.parametrize("skip", [True, False])
-async def test_no_touches_for_sessions_a_large_tier_keeps(
-    redis_server: RedisServer, namespace: str, skip: bool
-) -> None:
-    """A tier of 8,000 blocks (256,000 tokens) behind a 200-block pool: what the engine computes
-    until the session's protection ends stays far within half the tier, so with
-    ``tier_skip_touches`` the protected session gets no touches and resumes from the tier."""
-    async with sim_stack(
-        redis_server.url, namespace, cpu_blocks=8000, tier_skip_touches=skip
-    ) as st:
-        await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 10}})
-        es = next(iter(st.runtime().retention.engines.values()))
-
-        async def rate_known() -> bool:
-            return es.computed_rate is not None
-
-        assert await wait_for(rate_known), "the engine's computed-token rate was never read"
-        await _flood(st, n=4)
-        touches = await st.metric("kvkeeper_touches_total", label='outcome="ok"')
-        resumed = cached(await st.complete(prompt(1), {"session_id": "w"}))
-        assert resumed >= CHUNKS * 256  # from the GPU (touched) or the tier (not)
-        if skip:
-            assert touches == 0
-        else:
-            assert touches >= 1
-
-
 async def test_pins_a_crashed_replica_left_are_adopted_and_released_by_the_next(
     redis_server: RedisServer, namespace: str
 ) -> None:
@@ -184,55 +156,3 @@ async def test_pins_a_crashed_replica_left_are_adopted_and_released_by_the_next(
         await st.complete(prompt(1), {"session_id": "w", "cache_control": {"ttl": 1}}, i=1 - leader)
         assert await wait_for(pins(0), within=15), tier.pins
         assert await survivor.store.tier_pins(name) == {}
-
-
-@pytest.mark.parametrize("pin_anchors", [True, False])
-async def test_an_agents_anchor_pinned_in_the_tier_outlives_a_flood(
-    redis_server: RedisServer, namespace: str, pin_anchors: bool
-) -> None:
-    """Two sessions call the same agent twice (a 1,024-token anchor, 4 chunks, then their own
-    text); neither is protected. With ``tier_pin_anchors`` kvkeeper learns the anchor and pins
-    it in the tier, so after a flood that pushes everything else out of the pool and the tier's
-    LRU, a third session's first call of the agent loads the anchor instead of recomputing it.
-    The pin goes when the agent is no longer expected (its sessions ended)."""
-    anchor = prompt(7, 1024)
-    async with sim_stack(
-        redis_server.url,
-        namespace,
-        tier_pin_share=0.5,
-        tier_pin_anchors=pin_anchors,
-        **RIG,
-    ) as st:
-        tier, pins = _tier(st), _pinned_once(_tier(st))
-        for turn in range(2):  # each session calls the coder twice: coder -> coder
-            for n, sid in enumerate(("u1", "u2")):
-                await st.agent_call(sid, "coder", anchor + prompt(10 + 2 * turn + n, 40))
-                await asyncio.sleep(0.1)
-        if pin_anchors:
-            assert await wait_for(pins(4)), tier.pins
-
-            async def one_anchor() -> bool:  # the gauge follows on the pins' next pass
-                return await st.metric("kvkeeper_tier_pinned_anchors") == 1
-
-            assert await wait_for(one_anchor), tier.pins
-            assert await st.metric("kvkeeper_tier_pinned_sessions") == 0
-            assert await st.metric("kvkeeper_offloads_total") == 0  # sessions only
-            retention = st.runtime().retention
-            assert retention is not None
-            name = next(iter(retention.engines.values())).engine.name
-            ledger = await retention.store.tier_pins(name)  # a successor would adopt it
-            assert list(ledger) == [("default", ANCHOR_MARK + "coder")]
-        await _flood(st)  # 70 chunks through a 50-chunk tier, 8 x 63 blocks through the pool
-        kept = tier.lookup_prefix(anchor, None)
-        hit = await st.agent_call("u3", "coder", anchor + prompt(99, 40))
-        if pin_anchors:
-            assert kept == 1024 and hit >= 1024, (kept, hit)
-            admin = {"Authorization": "Bearer admin-secret"}
-            for sid in ("u1", "u2", "u3"):
-                resp = await st.proxy.delete(f"/admin/sessions/{sid}", headers=admin)
-                assert resp.status == 200, await resp.text()
-            assert await wait_for(pins(0)), tier.pins  # no session left to call the agent
-            assert await st.metric("kvkeeper_tier_pinned_anchors") == 0
-        else:
-            assert kept == 0 and hit < 256, (kept, hit)
-            assert not tier.pins

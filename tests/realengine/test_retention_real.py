@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from proxy.keys import SessionKey
 from proxy.runtime import RUNTIME
 from tests.helpers.redis_server import RedisServer
 from tests.realengine.conftest import VLLMEngine
@@ -62,7 +63,9 @@ async def run_variant(client: Client, ttl: float | None) -> dict[str, float]:
     assert retention is not None
 
     async def known() -> bool:
-        return len(await retention.blocks_of("default", "agent-1")) == FULL_BLOCKS
+        return (
+            len(await retention.blocks.blocks_of(SessionKey("default", "agent-1"))) == FULL_BLOCKS
+        )
 
     assert await wait_for(known), "retention never learned the session's 63 blocks"
     flood_tokens = 0
@@ -91,11 +94,9 @@ async def test_ttl_session_survives_a_flood_larger_than_the_pool(
     vllm_engine: VLLMEngine, redis_server: RedisServer, namespace: str
 ) -> None:
     # the CPU engine prefills each flood prompt in one ~2 s step; a touch that arrives during one
-    # waits for it, so the deadline is three steps (with the default 1 s, 2-8 of 6-12 touches
-    # were abandoned per run, and once too many of them for the session to survive)
-    async with real_proxy(
-        vllm_engine, redis_server.url, namespace, touch_deadline_steps=3
-    ) as client:
+    # waits for it, so the deadline covers three such steps (with the default 1 s, some touches
+    # were abandoned and once too many of them for the session to survive)
+    async with real_proxy(vllm_engine, redis_server.url, namespace, touch_deadline_s=6.0) as client:
         got = await run_variant(client, ttl=600)
     log.info("protected: %s", got)
     assert got["flood_tokens"] == FLOOD * FLOOD_TOKENS, got

@@ -210,9 +210,9 @@ async def test_event_endpoint_discovery(
     assert found == EventEndpoints(vllm_engine.events_endpoint, vllm_engine.replay_endpoint, "kv")
     bare = VLLMAdapter("e1", vllm_engine.url, session, model="smol")
     assert isinstance(bare, EngineAdapter)
-    assert "kv_events" not in bare.capabilities
+    assert not bare.has_events
     assert await bare.discover_events() == found
-    assert "kv_events" in bare.capabilities
+    assert bare.has_events
 
 
 async def test_late_subscriber_recovers_state_through_replay(adapter: VLLMAdapter) -> None:

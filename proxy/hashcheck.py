@@ -2,7 +2,7 @@
 
 Residency tracking compares the block hashes kvkeeper computes for a session's tokens with the
 hashes the engine publishes in its KV events. A different hash seed (an engine started without
-the ``PYTHONHASHSEED`` that kvkeeper's ``retention.hash_seed`` names), hash function or block
+the ``PYTHONHASHSEED`` that kvkeeper's ``cache.hash_seed`` names), hash function or block
 size makes every comparison miss, silently: kvkeeper would see nothing resident.
 
 So kvkeeper checks the engine's own events, without sending anything: until decided, the
@@ -101,7 +101,7 @@ class CheckingSink:
         r.detail = (
             f"{r.mismatched} stored prompts hashed differently: the engine's block size "
             f"{event.block_size}, kvkeeper's {size} with hash seed {self.adapter.cache.hash_seed!r}; "
-            "start the engine with PYTHONHASHSEED equal to retention.hash_seed and "
+            "start the engine with PYTHONHASHSEED equal to cache.hash_seed and "
             "--prefix-caching-hash-algo sha256_cbor"
         )
         if r.mismatched >= MISMATCHES:

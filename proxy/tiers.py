@@ -9,7 +9,7 @@ pins its recorded context in the tier while the tier still holds it, chosen by
 :func:`policy.tier_pins.plan_pins` within ``tier.pin_share`` of the tier's capacity
 (read from the MP server's ``/status``). The rest of the tier stays LRU. A session whose whole
 prefix (its complete chunks) is stored and pinned is *held by the tier*: its resume loads the
-prefix (over PCIe from CPU memory, about a tenth of a re-prefill's cost on the h100 profile)
+prefix (over PCIe from CPU memory, far cheaper than a re-prefill)
 instead of recomputing it, so retention sends it no touches. Without KV events residency is
 unknown and every protected session is a candidate.
 

@@ -137,6 +137,8 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
         async with start_router(spec.router, urls, target.router_policy, logs) as url:
             yield url
     else:
+        workers = int(settings.pop("workers", 1))
+        share = bool(settings.pop("share", True))
         retention = {
             "block_size": spec.sim.block_size,
             **target.retention,
@@ -153,6 +155,8 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
                 model=spec.model,
                 retention=retention,
                 offload=spec.offload,
+                workers=workers,
+                share=share,
             ) as url,
         ):
             yield url

@@ -10,7 +10,9 @@ A target says what the client talks to and how the engines behind it are set up:
 
 Adding a target is one entry in :data:`TARGETS` (docs/extending.md). A kvkeeper target may
 carry settings of its own after ``@`` on the command line: ``full+pins@tier_pin_share=0.8``
-(several: ``@a=1@b=2``; they win over ``--retention``).
+(several: ``@a=1@b=2``; they win over ``--retention``). ``@workers=2`` runs kvkeeper as two
+worker processes (replicas sharing Redis behind the kernel's spread), ``@share=false`` without
+the shared prefix index.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ TARGETS: dict[str, BenchTarget] = {
 }  # fmt: skip
 
 
+# settings after '@' that are not retention's: worker processes and the shared prefix index
+PROCESS_KEYS = frozenset({"workers", "share"})
+
+
 def split_target(name: str) -> tuple[str, dict[str, Any]]:
     """``full+pins@tier_pin_share=0.8`` -> ``("full+pins", {"tier_pin_share": 0.8})``."""
     base, *items = name.split("@")
@@ -133,7 +139,7 @@ def plan_targets(
         target = TARGETS[base]
         if settings and target.kind != "kvkeeper":
             raise ValueError(f"{name!r}: only kvkeeper targets take settings after '@'")
-        if unknown := sorted(set(settings) - RETENTION_KEYS):
+        if unknown := sorted(set(settings) - RETENTION_KEYS - PROCESS_KEYS):
             raise ValueError(f"{name!r}: no retention setting {', '.join(unknown)}")
         reason = None
         if target.kind == "engine" and replicas > 1:

@@ -150,6 +150,8 @@ def kvkeeper_config(
     model: str,
     retention: Mapping[str, Any],
     offload: bool,
+    workers: int = 1,
+    share: bool = True,
 ) -> dict[str, Any]:
     """The YAML settings of a kvkeeper in front of ``sims`` (KV events always; the LMCache tier
     when ``offload`` and the simulator serves one)."""
@@ -172,6 +174,9 @@ def kvkeeper_config(
         "health_interval_s": 5.0,
         "log_level": "WARNING",
         "retention": dict(retention),
+        # one process unless a comparison asks for more (runs stay comparable across machines)
+        "workers": workers,
+        "placement": {"share": share},
     }
 
 
@@ -184,6 +189,8 @@ async def start_kvkeeper(
     model: str = "sim",
     retention: Mapping[str, Any] | None = None,
     offload: bool = True,
+    workers: int = 1,
+    share: bool = True,
 ) -> AsyncIterator[str]:
     """``kvkeeper serve`` (a ``python -m proxy.cli`` child) in front of ``sims``; yields its URL."""
     port = free_port()
@@ -194,6 +201,8 @@ async def start_kvkeeper(
         model=model,
         retention=retention or {},
         offload=offload,
+        workers=workers,
+        share=share,
     )
     config = _write_yaml(log_dir / f"kvkeeper-{port}.yaml", doc)
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]

@@ -136,7 +136,8 @@ class Placer:
                     healthy=e.healthy,
                     matched=self.prefixes.match(e.name, chain),
                     cached=self.prefixes.size(e.name),
-                    pending=self.prefill_pending.get(e.name, 0.0),
+                    pending=self.prefill_pending.get(e.name, 0.0)
+                    + (self.share.others_queued(e.name) if self.share is not None else 0.0),
                 )
                 for e in ranked
             ],
@@ -195,6 +196,8 @@ class Placer:
         )
         self.placed(engine, chain)
         self.prefill_pending[engine] = self.prefill_pending.get(engine, 0.0) + tokens
+        if self.share is not None and tokens:
+            self.share.queued(engine, tokens)
         return tokens
 
     def placed(self, engine: str, chain: Sequence[bytes]) -> None:
@@ -206,6 +209,8 @@ class Placer:
     def prefill_done(self, engine: str, tokens: float) -> None:
         """The request's first byte came back (its prefill ran), or it ended without one."""
         self.prefill_pending[engine] = max(0.0, self.prefill_pending.get(engine, 0.0) - tokens)
+        if self.share is not None and tokens:
+            self.share.queued(engine, -tokens)
 
 
 class Prefill:

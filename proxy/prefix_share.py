@@ -1,10 +1,13 @@
-"""The prefix index placement uses, shared by every kvkeeper replica and worker through Redis.
+"""What placement weighs, shared by every kvkeeper replica and worker through Redis.
 
-Each process publishes the prompt-chunk chains it placed (engine, chain) on one pub/sub channel
-and applies what the others publish to its own ``PrefixIndex``, so replicas in front of the same
-engines place the same prompt on the same engine instead of each learning its own placements.
+Each process publishes on one pub/sub channel the prompt-chunk chains it placed (engine, chain)
+and the prefill it queued at each engine and saw start (+/- tokens), and applies what the others
+publish: their chains to its own ``PrefixIndex``, their queued prefill to what it counts per
+engine. Replicas in front of the same engines then place the same prompt on the same engine,
+weighing the same queues, instead of each learning its own placements from half the traffic.
 Publishing is batched (one message per ``FLUSH_S``) and best effort: with Redis down each
-process keeps placing from what it knows.
+process keeps placing from what it knows. The queued prefill of a process not heard from for
+``SILENT_S`` (it stopped) no longer counts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 import uuid
 from collections.abc import Collection, Sequence
 
@@ -24,33 +28,51 @@ from policy.prefix_index import PrefixIndex
 log = logging.getLogger("kvkeeper.prefix_share")
 
 FLUSH_S = 0.002  # placements published together (a burst is one message)
+SILENT_S = 30.0  # a process not heard from this long has stopped: its queued prefill is dropped
 ORIGIN_BYTES = 8
 _DIGEST = 8  # bytes per chain entry (policy.prefix_index.hash_chain)
-_HEAD = struct.Struct("!BH")  # engine name length, chain entries
+_HEAD = struct.Struct("!BH")  # engine name length, chain entries (a chain record)
+_PENDING = struct.Struct("!Bd")  # engine name length, queued prefill tokens (+/-)
+_CHAIN, _QUEUED = b"c", b"p"
+
+# one record: a chain placed on an engine, or a change of the prefill queued at an engine
+Record = tuple[str, Sequence[bytes] | float]
 
 
-def encode(origin: bytes, placed: Sequence[tuple[str, Sequence[bytes]]]) -> bytes:
+def encode(origin: bytes, records: Sequence[Record]) -> bytes:
     parts = [origin]
-    for engine, chain in placed:
+    for engine, what in records:
         name = engine.encode()[:255]
-        parts += [_HEAD.pack(len(name), len(chain)), name, *chain]
+        if isinstance(what, float):
+            parts += [_QUEUED, _PENDING.pack(len(name), what), name]
+        else:
+            parts += [_CHAIN, _HEAD.pack(len(name), len(what)), name, *what]
     return b"".join(parts)
 
 
-def decode(payload: bytes) -> tuple[bytes, list[tuple[str, list[bytes]]]]:
-    """(origin, [(engine, chain)]); raises ValueError on a malformed payload."""
-    origin, pos, out = payload[:ORIGIN_BYTES], ORIGIN_BYTES, []
+def decode(payload: bytes) -> tuple[bytes, list[Record]]:
+    """(origin, records); raises ValueError on a malformed payload."""
+    origin, pos = payload[:ORIGIN_BYTES], ORIGIN_BYTES
+    out: list[Record] = []
     while pos < len(payload):
-        if pos + _HEAD.size > len(payload):
+        kind = payload[pos : pos + 1]
+        head = _HEAD if kind == _CHAIN else _PENDING if kind == _QUEUED else None
+        if head is None:
+            raise ValueError(f"unknown prefix-share record {kind!r}")
+        pos += 1
+        if pos + head.size > len(payload):
             raise ValueError("truncated prefix-share record")
-        n_name, n_chain = _HEAD.unpack_from(payload, pos)
-        pos += _HEAD.size
-        end = pos + n_name + n_chain * _DIGEST
+        n_name, value = head.unpack_from(payload, pos)
+        pos += head.size
+        end = pos + n_name + (value * _DIGEST if head is _HEAD else 0)
         if end > len(payload):
             raise ValueError("truncated prefix-share record")
         engine = payload[pos : pos + n_name].decode()
         pos += n_name
-        out.append((engine, [payload[i : i + _DIGEST] for i in range(pos, end, _DIGEST)]))
+        if head is _HEAD:
+            out.append((engine, [payload[i : i + _DIGEST] for i in range(pos, end, _DIGEST)]))
+        else:
+            out.append((engine, float(value)))
         pos = end
     return origin, out
 
@@ -73,14 +95,34 @@ class PrefixShare:
         self.engines = frozenset(engines)  # placements on engines this process has are applied
         self.origin = uuid.uuid4().bytes[:ORIGIN_BYTES]
         self.applied = 0  # placements learned from other processes
-        self._pending: list[tuple[str, Sequence[bytes]]] = []
+        # prefill the other processes queued, per process: (last heard, per engine tokens)
+        self._queued: dict[bytes, tuple[float, dict[str, float]]] = {}
+        self._pending: list[Record] = []
         self._flushing: asyncio.Task[None] | None = None
         self._listening: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
 
     def placed(self, engine: str, chain: Sequence[bytes]) -> None:
         """``chain`` was sent to ``engine`` by this process: tell the others (soon, batched)."""
-        self._pending.append((engine, chain))
+        self._publish((engine, chain))
+
+    def queued(self, engine: str, tokens: float) -> None:
+        """This process queued (``tokens`` > 0) or saw start (< 0) prefill at ``engine``."""
+        self._publish((engine, float(tokens)))
+
+    def others_queued(self, engine: str) -> float:
+        """Prefill tokens the other live processes have queued at ``engine``."""
+        if not self._queued:
+            return 0.0
+        alive = time.monotonic() - SILENT_S
+        return sum(
+            by_engine.get(engine, 0.0)
+            for heard, by_engine in self._queued.values()
+            if heard >= alive
+        )
+
+    def _publish(self, record: Record) -> None:
+        self._pending.append(record)
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.create_task(self._flush())
 
@@ -130,8 +172,16 @@ class PrefixShare:
             return
         if origin == self.origin:
             return
-        for engine, chain in placed:
+        now = time.monotonic()
+        if origin not in self._queued:  # a process seen first: forget those long silent
+            self._queued = {o: q for o, q in self._queued.items() if q[0] >= now - SILENT_S}
+        _, queued = self._queued.get(origin, (0.0, {}))
+        self._queued[origin] = (now, queued)
+        for engine, what in placed:
             if engine not in self.engines:
                 continue
-            self.index.insert(engine, chain)
-            self.applied += 1
+            if isinstance(what, float):
+                queued[engine] = max(0.0, queued.get(engine, 0.0) + what)
+            else:
+                self.index.insert(engine, what)
+                self.applied += 1

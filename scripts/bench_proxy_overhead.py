@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -271,10 +272,21 @@ async def main() -> None:
         help="put a shared system prompt of this many characters before the user message "
         "(0: the short prompt alone; 16000 is about a 4K-token agent anchor)",
     )
+    ap.add_argument(
+        "--workers",
+        default="1",
+        help="kvkeeper targets at these --workers counts, comma-separated (e.g. 1,2)",
+    )
+    ap.add_argument(
+        "--retention-off",
+        action="store_true",
+        help="add kvkeeper+hints with retention disabled (the request path's share of the cost)",
+    )
+    ap.add_argument("--no-floor", action="store_true", help="leave out the aiohttp floor target")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_overhead.json")
     args = ap.parse_args()
 
-    up_port, kvk_port, router_port, redis_port = free_port(), free_port(), free_port(), free_port()
+    up_port, router_port, redis_port = free_port(), free_port(), free_port()
     floor_port = free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     procs = [spawn([sys.executable, __file__, "--serve-upstream", str(up_port)])]
@@ -282,29 +294,45 @@ async def main() -> None:
     procs.append(floor)
     redis = spawn(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"])
     procs.append(redis)
-    kvk = spawn(
-        [
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "serve",
-            "--port",
-            str(kvk_port),
-            "--engine",
-            upstream,
-            "--redis",
-            f"redis://127.0.0.1:{redis_port}/0",
-            "--log-level",
-            "WARNING",
-        ]
-    )
-    procs.append(kvk)
-    targets: dict[str, tuple[str, int | None, bool]] = {
-        "direct": (upstream, None, False),
-        "kvkeeper": (f"http://127.0.0.1:{kvk_port}", kvk.pid, False),
-        "kvkeeper+hints": (f"http://127.0.0.1:{kvk_port}", kvk.pid, True),
-        "aiohttp-floor": (f"http://127.0.0.1:{floor_port}", floor.pid, False),
-    }
+    worker_counts = [int(x) for x in args.workers.split(",")]
+    targets: dict[str, tuple[str, int | None, bool]] = {"direct": (upstream, None, False)}
+    metrics_dirs: dict[int, Path] = {}
+    kvk_ports: list[int] = []
+    for n in worker_counts:
+        port = free_port()
+        kvk_ports.append(port)
+        env = dict(os.environ)
+        if n > 1:  # each worker's counters in files of its own: requests per worker
+            metrics_dirs[n] = Path(tempfile.mkdtemp(prefix=f"bench-w{n}-"))
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dirs[n])
+        kvk = spawn(
+            [
+                sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
+                "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0",
+                "--log-level", "WARNING", "--workers", str(n),
+            ],
+            env,
+        )  # fmt: skip
+        procs.append(kvk)
+        tag = "" if n == 1 else f" w{n}"
+        targets[f"kvkeeper{tag}"] = (f"http://127.0.0.1:{port}", kvk.pid, False)
+        targets[f"kvkeeper+hints{tag}"] = (f"http://127.0.0.1:{port}", kvk.pid, True)
+    if args.retention_off:  # the request path alone: hinted, with no retention worker running
+        port = free_port()
+        kvk_ports.append(port)
+        env = {**os.environ, "KVKEEPER_RETENTION__ENABLED": "false"}
+        kvk = spawn(
+            [
+                sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
+                "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/1",
+                "--log-level", "WARNING", "--workers", "1",
+            ],
+            env,
+        )  # fmt: skip
+        procs.append(kvk)
+        targets["kvkeeper+hints noret"] = (f"http://127.0.0.1:{port}", kvk.pid, True)
+    if not args.no_floor:
+        targets["aiohttp-floor"] = (f"http://127.0.0.1:{floor_port}", floor.pid, False)
     router = None
     if args.router:
         router = spawn(
@@ -326,7 +354,8 @@ async def main() -> None:
         targets["vllm-router"] = (f"http://127.0.0.1:{router_port}", router.pid, False)
     try:
         await wait_http(upstream + "/health")
-        await wait_http(f"http://127.0.0.1:{kvk_port}/healthz")
+        for port in kvk_ports:
+            await wait_http(f"http://127.0.0.1:{port}/healthz")
         await wait_http(f"http://127.0.0.1:{floor_port}/health")
         if router:
             await wait_http(f"http://127.0.0.1:{router_port}/health", 120)
@@ -382,25 +411,8 @@ async def main() -> None:
                 }
             results[label] = row
         for row in results.values():
-            hinted, plain = row["kvkeeper+hints"], row["kvkeeper"]
-            row["_ratios"] = {
-                "hinted_over_unhinted_added_p50": hinted["added_p50_ms"] / plain["added_p50_ms"]
-                if plain["added_p50_ms"] > 0
-                else None,
-                "hinted_cpu_over_router_cpu": (
-                    hinted["cpu_us_per_request"] / row["vllm-router"]["cpu_us_per_request"]
-                )
-                if "vllm-router" in row
-                else None,
-                "floor_cpu_over_router_cpu": (
-                    row["aiohttp-floor"]["cpu_us_per_request"]
-                    / row["vllm-router"]["cpu_us_per_request"]
-                )
-                if "vllm-router" in row
-                else None,
-                "hinted_cpu_over_floor_cpu": hinted["cpu_us_per_request"]
-                / row["aiohttp-floor"]["cpu_us_per_request"],
-            }
+            row["_ratios"] = ratios(row, worker_counts)
+        spread = {n: requests_per_worker(folder) for n, folder in metrics_dirs.items()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps(
@@ -409,14 +421,71 @@ async def main() -> None:
                     "rounds": args.rounds,
                     "prompt_chars": args.prompt_chars,
                     "results": results,
+                    "requests_per_worker": spread,
                 },
                 indent=2,
             )
         )
         print(render(results))
+        for n, counts in spread.items():
+            print(
+                f"workers={n}: requests per worker {counts} (max/min {max(counts) / min(counts):.2f})"
+            )
     finally:
         for p in procs:
             stop(p)
+        for folder in metrics_dirs.values():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def cpu_ratio(row: dict[str, Any], a: str, b: str) -> float | None:
+    """CPU per request of target ``a`` over target ``b`` (None when either is missing)."""
+    if a not in row or b not in row:
+        return None
+    return float(row[a]["cpu_us_per_request"] / row[b]["cpu_us_per_request"])
+
+
+def ratios(row: dict[str, Any], worker_counts: list[int]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for n in worker_counts:
+        tag = "" if n == 1 else f" w{n}"
+        hinted, plain = row[f"kvkeeper+hints{tag}"], row[f"kvkeeper{tag}"]
+        key = "" if n == 1 else f"_w{n}"
+        out[f"hinted_over_unhinted_added_p50{key}"] = (
+            hinted["added_p50_ms"] / plain["added_p50_ms"] if plain["added_p50_ms"] > 0 else None
+        )
+        out[f"hinted_cpu_over_unhinted_cpu{key}"] = cpu_ratio(
+            row, f"kvkeeper+hints{tag}", f"kvkeeper{tag}"
+        )
+        if n != 1:  # CPU per request at n workers against one
+            out[f"unhinted_cpu_w{n}_over_w1"] = cpu_ratio(row, f"kvkeeper{tag}", "kvkeeper")
+            out[f"hinted_cpu_w{n}_over_w1"] = cpu_ratio(
+                row, f"kvkeeper+hints{tag}", "kvkeeper+hints"
+            )
+    first = "" if 1 in worker_counts else f" w{worker_counts[0]}"
+    out["hinted_noret_cpu_over_unhinted_cpu"] = cpu_ratio(row, "kvkeeper+hints noret", "kvkeeper")
+    out["hinted_cpu_over_router_cpu"] = cpu_ratio(row, f"kvkeeper+hints{first}", "vllm-router")
+    out["floor_cpu_over_router_cpu"] = cpu_ratio(row, "aiohttp-floor", "vllm-router")
+    out["hinted_cpu_over_floor_cpu"] = cpu_ratio(row, f"kvkeeper+hints{first}", "aiohttp-floor")
+    return out
+
+
+def requests_per_worker(folder: Path) -> list[float]:
+    """Proxied requests counted by each worker (its own counter file), largest first."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    counts = []
+    for db in folder.glob("counter_*.db"):
+        total = 0.0
+        for family in MultiProcessCollector.merge([str(db)], accumulate=False):  # type: ignore[no-untyped-call]
+            for sample in family.samples:
+                if sample.name == "kvkeeper_requests_total" and "chat" in sample.labels.get(
+                    "route", ""
+                ):
+                    total += sample.value
+        if total:
+            counts.append(total)
+    return sorted(counts, reverse=True)
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
@@ -435,10 +504,8 @@ def render(results: dict[str, dict[str, Any]]) -> str:
                 f"| {c} | {name} | {d['p50_ms']:.2f} | {d['p99_ms']:.2f} | {d['added_p50_ms']:+.2f} | {d['added_p99_ms']:+.2f} | {d['throughput_vs_direct']:.2f}x | {cpu} | {rcpu_s} |"
             )
     for c, row in results.items():
-        r = row["_ratios"]
-        lines.append(
-            f"\nc={c}: hinted/unhinted added p50 = {r['hinted_over_unhinted_added_p50'] or float('nan'):.2f}; hinted kvkeeper CPU / vllm-router CPU = {r['hinted_cpu_over_router_cpu'] or float('nan'):.2f}; aiohttp-floor CPU / vllm-router CPU = {r['floor_cpu_over_router_cpu'] or float('nan'):.2f}"
-        )
+        shown = "; ".join(f"{k} = {v:.2f}" for k, v in row["_ratios"].items() if v is not None)
+        lines.append(f"\nc={c}: {shown}")
     return "\n".join(lines)
 
 

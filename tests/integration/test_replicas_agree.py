@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from proxy.prefix_share import decode, encode
+from proxy.prefix_share import Record, decode, encode
 from proxy.runtime import RUNTIME
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.redis_server import RedisServer
@@ -68,7 +68,34 @@ async def test_two_replicas_place_the_same_prompt_on_the_same_engine(
 
 def test_share_message_round_trips_and_rejects_truncation() -> None:
     chain = [bytes([i]) * 8 for i in range(3)]
-    payload = encode(b"origin01", [("http://e0:1", chain), ("e1", chain[:1])])
-    assert decode(payload) == (b"origin01", [("http://e0:1", chain), ("e1", chain[:1])])
+    records: list[Record] = [("http://e0:1", chain), ("e1", 512.0), ("e1", chain[:1]), ("e0", -8.5)]
+    assert decode(encode(b"origin01", records)) == (b"origin01", records)
     with pytest.raises(ValueError, match="truncated"):
-        decode(payload[:-3])
+        decode(encode(b"origin01", records)[:-3])
+
+
+async def test_queued_prefill_of_another_replica_counts(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """What one replica queued at an engine (and saw start) is weighed by the other."""
+    async with proxy_stack(redis_server.url, namespace, n_engines=2) as a:
+        urls = [e.url for e in a.engines]
+        async with proxy_stack(
+            redis_server.url, namespace, n_engines=0, extra_engine_urls=urls
+        ) as b:
+            share_a, share_b = (
+                a.client.app[RUNTIME].prefix_share,
+                b.client.app[RUNTIME].prefix_share,
+            )
+            assert share_a is not None and share_b is not None
+            await asyncio.wait_for(share_b.subscribed.wait(), 10)
+            name = a.client.app[RUNTIME].pool.engines[0].name
+            share_a.queued(name, 900.0)
+
+            async def counted(tokens: float) -> bool:
+                return bool(share_b.others_queued(name) == tokens)
+
+            assert await wait_for(lambda: counted(900.0), within=5, step=0.01)
+            share_a.queued(name, -900.0)
+            assert await wait_for(lambda: counted(0.0), within=5, step=0.01)
+            assert share_a.others_queued(name) == 0.0  # its own queue is not counted twice

@@ -153,6 +153,9 @@ async def relay(request: web.Request) -> web.StreamResponse:
     elif parsed.hint is not None:
         pinned = await session_engine(rt, tenant, parsed.hint.session_id)
     order = rt.placer.order(None, None)
+    if not order:  # no engine ready: check them now, as the generation routes do
+        await rt.pool.recheck()
+        order = rt.placer.order(None, None)
     if pinned is not None:
         order = [pinned, *(e for e in order if e is not pinned)]
     hop_by_hop = order[0].adapter.hop_by_hop if order else frozenset()

@@ -12,13 +12,16 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from loadgen.sim import SimConfig, Simulator, run_simulator
 from proxy.app import create_app
+from proxy.runtime import RUNTIME
 from proxy.settings import load_settings
-from tests.helpers.redis_server import RedisServer
-from tests.integration.proxy_fixtures import ADMIN, ADMIN_HEADERS
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.redis_server import RedisServer, free_port
+from tests.integration.proxy_fixtures import ADMIN, ADMIN_HEADERS, proxy_stack
 
 
 @dataclass
@@ -206,3 +209,26 @@ async def test_another_kvkeeper_replica_finds_the_response_through_redis(
                 rid = (await resp.json())["id"]
     finally:
         await r.aclose()
+
+
+async def test_relay_checks_engines_again_when_none_is_ready(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    port = free_port()
+    async with proxy_stack(
+        redis_server.url, namespace, n_engines=0, extra_engine_urls=[f"http://127.0.0.1:{port}"]
+    ) as st:
+        runtime = st.client.app[RUNTIME]
+        for _ in range(100):  # the start-up check finds it down
+            if not runtime.pool.engines[0].ready:
+                break
+            await asyncio.sleep(0.02)
+        assert not runtime.pool.engines[0].ready
+        runner = web.AppRunner(FakeEngine().app())
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            resp = await st.client.get("/health")  # no wait for the next health round
+            assert resp.status == 200
+        finally:
+            await runner.cleanup()

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -186,3 +187,37 @@ def test_access_log_can_be_turned_off() -> None:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         access.setLevel(logging.NOTSET)
+
+
+async def test_serve_log_format_json_writes_access_lines_as_json(redis_server: RedisServer) -> None:
+    async with serve_fake(FakeEngine()) as engine:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--engine", engine.url, "--redis", redis_server.url,
+            "--log-format", "json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert b"kvkeeper listening" in line
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json=CHAT,
+                    headers={"X-Request-Id": "json-1"},
+                ) as resp,
+            ):
+                assert resp.status == 200
+                await resp.read()
+        finally:
+            proc.terminate()
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+    records = [json.loads(ln) for ln in err.decode().splitlines() if ln.startswith("{")]
+    assert records and all({"ts", "level", "logger", "msg"} <= r.keys() for r in records)
+    (access,) = [r for r in records if r["logger"] == "kvkeeper.access"]
+    assert access["request_id"] == "json-1" and access["status"] == 200
+    assert access["route"] == "/v1/chat/completions" and access["prompt_tokens"] > 0
+    assert any(r["logger"] == "kvkeeper.watch" and "is up" in r["msg"] for r in records)

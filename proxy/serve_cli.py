@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--redis",
         metavar="URL",
         help="redis://host:port/db, or redis+sentinel://host:port[,host:port]/service "
-        "(default: embedded private Redis)",
+        "or redis-cluster://host:port[,host:port] (default: embedded private Redis)",
     )
     p.add_argument("--tenants-file", type=Path, help="YAML file mapping API keys to tenants")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING ... (default INFO)")

@@ -20,7 +20,13 @@ from pydantic_settings import (
 )
 
 from adapters.registry import kinds
-from proxy.redisconn import SCHEMES, SENTINEL_SCHEMES, parse_sentinel_url
+from proxy.redisconn import (
+    CLUSTER_SCHEMES,
+    SCHEMES,
+    SENTINEL_SCHEMES,
+    parse_cluster_url,
+    parse_sentinel_url,
+)
 
 
 class ConfigError(Exception):
@@ -370,11 +376,14 @@ class Settings(BaseSettings):
             raise ValueError("at least one engine is required (--engine http://host:port)")
         if self.redis_url is not None and not self.redis_url.startswith(SCHEMES):
             raise ValueError(
-                "redis url must be redis://, rediss://, unix:// or "
-                f"redis+sentinel://host:port[,host:port]/service, got {self.redis_url!r}"
+                "redis url must be redis://, rediss://, unix://, "
+                "redis+sentinel://host:port[,host:port]/service or "
+                f"redis-cluster://host:port[,host:port], got {self.redis_url!r}"
             )
         if self.redis_url is not None and self.redis_url.startswith(SENTINEL_SCHEMES):
             parse_sentinel_url(self.redis_url)  # a ValueError says what is wrong
+        if self.redis_url is not None and self.redis_url.startswith(CLUSTER_SCHEMES):
+            parse_cluster_url(self.redis_url)
         if self.limits.default_ttl_s > self.limits.max_ttl_s:
             raise ValueError("limits.default_ttl_s must not exceed limits.max_ttl_s")
         return self

@@ -7,9 +7,12 @@ Layout (``ns`` is the namespace, default ``kvk``; every key has a Redis expiry a
     {ns}:ctx:{tenant}:{sid}   STRING compressed context needed to re-send the session's prompt
     {ns}:idx:{tenant}         ZSET   sid by last_seen (listing, per-tenant bound)
     {ns}:dl                   ZSET   "tenant\\x1fsid" by TTL deadline (the timer wheel)
+    {ns}:chg, {ns}:chgseq     ZSET   the same members by change sequence (``protected``'s feed)
     {ns}:tenants              SET    tenants that have sessions
 
-Multi-key updates are Lua scripts (``proxy/lua``). Connection failures raise
+On a Redis Cluster the tenant is written as a hash tag (``{ns}:s:{{tenant}}:{sid}``) and the
+deadline and feed sets are per tenant (``{ns}:dl:{{tenant}}`` ...), so every script call
+touches one slot. Multi-key updates are Lua scripts (``proxy/lua``). Connection failures raise
 :class:`StoreDown`; after one, calls fail fast for ``cooldown_s`` so a dead Redis adds no latency.
 """
 
@@ -26,8 +29,9 @@ from typing import Any, TypeVar
 
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from proxy.batching import ScriptBatcher
+from proxy.batching import ClusterScripts, ScriptBatcher
 from proxy.hints import Hint
 from proxy.settings import Limits
 
@@ -238,22 +242,51 @@ class SessionStore:
         self._on_error = on_error
         # protected(): the protected sessions as last read, and the feed sequence read up to
         self._mirror: dict[tuple[str, str], Session] = {}
-        self._cursor = 0
-        self._loaded = False
+        self._cursors: dict[str, int] = {}  # per feed ("" on a single Redis, else tenant)
+        self._tenant_list: list[str] = []
+        self._tenants_at = -1e9
+        self._known_tenants: set[str] = set()
         self._mirror_lock = asyncio.Lock()
         # a heap of (deadline, tie-break, key, session): the mirror's expiries in order
         self._deadlines: list[tuple[float, int, tuple[str, str], Session]] = []
         self._order = itertools.count()
         self._listed: list[Session] | None = None  # the answer, until the mirror changes
         self.mirror_loads = 0  # full (re)loads, for tests and benchmarks
-        self.scripts = ScriptBatcher(redis, {name: _script(f"{name}.lua") for name in _SCRIPTS})
+        sources = {name: _script(f"{name}.lua") for name in _SCRIPTS}
+        # a Redis Cluster: keys hash-tagged per tenant, each script call routed by its slot
+        self.cluster = isinstance(redis, RedisCluster)
+        self._tag = "1" if self.cluster else "0"  # scripts that derive key names need to know
+        self.scripts: ScriptBatcher | ClusterScripts = (
+            ClusterScripts(redis, sources) if self.cluster else ScriptBatcher(redis, sources)
+        )
 
     # --- keys ---------------------------------------------------------------------------------
+    def _t(self, tenant: str) -> str:
+        """The tenant as written in key names: a hash tag on a cluster (``{tenant}``), so every
+        key of a tenant lies in one slot and each script touches one node."""
+        return f"{{{tenant}}}" if self.cluster else tenant
+
     def key(self, kind: str, tenant: str, sid: str) -> str:
-        return f"{self.ns}:{kind}:{tenant}:{sid}"
+        return f"{self.ns}:{kind}:{self._t(tenant)}:{sid}"
 
     def index_key(self, tenant: str) -> str:
-        return f"{self.ns}:idx:{tenant}"
+        return f"{self.ns}:idx:{self._t(tenant)}"
+
+    def dl_key(self, tenant: str) -> str:
+        """The deadline ZSET holding ``tenant``'s sessions: one for all on a single Redis, one
+        per tenant on a cluster."""
+        return f"{self.ns}:dl:{self._t(tenant)}" if self.cluster else self.deadlines_key
+
+    def feed_keys(self, tenant: str) -> list[str]:
+        """The change feed ZSET and its sequence holding ``tenant``'s sessions."""
+        if self.cluster:
+            return [f"{self.ns}:chg:{self._t(tenant)}", f"{self.ns}:chgseq:{self._t(tenant)}"]
+        return [self.feed_key, self.feed_seq_key]
+
+    def _none(self, tenant: str) -> str:
+        """A key a script is given and does not use (no parent): "" on a single Redis, a key of
+        the tenant's slot on a cluster (a client routes a call by all its keys)."""
+        return f"{self.ns}:none:{self._t(tenant)}" if self.cluster else ""
 
     @property
     def deadlines_key(self) -> str:
@@ -287,6 +320,8 @@ class SessionStore:
             redis_errors.ConnectionError,
             redis_errors.TimeoutError,
             redis_errors.InvalidResponse,
+            redis_errors.ClusterError,  # no node serves the slot (yet), the cluster is down
+            redis_errors.ReadOnlyError,  # a former master, demoted
             OSError,
         ) as exc:
             self._down_until = time.monotonic() + self._cooldown_s
@@ -311,14 +346,14 @@ class SessionStore:
         keys = [
             self.key("s", tenant, sid),
             self.index_key(tenant),
-            self.deadlines_key,
-            self.key("s", tenant, parent) if parent else "",
-            self.key("ch", tenant, parent) if parent else "",
-            self.tenants_key,
+            self.dl_key(tenant),
+            self.key("s", tenant, parent) if parent else self._none(tenant),
+            self.key("ch", tenant, parent) if parent else self._none(tenant),
+            # the tenants SET is one key for all: on a cluster it is added to after the call
+            f"{self.ns}:tn:{self._t(tenant)}" if self.cluster else self.tenants_key,
             self.key("ch", tenant, sid),
             self.key("ctx", tenant, sid),
-            self.feed_key,
-            self.feed_seq_key,
+            *self.feed_keys(tenant),
         ]
         args: list[str | int] = [
             repr(now),
@@ -338,6 +373,9 @@ class SessionStore:
         if reply[0] != b"ok":
             raise StoreRejected(_text(reply[0]))
         _, created, engine, parent_engine, last_active, last_prompt = reply
+        if self.cluster and (created or tenant not in self._known_tenants):
+            await self._call(lambda: self.redis.sadd(self.tenants_key, tenant))
+            self._known_tenants.add(tenant)
         return Upserted(
             bool(created),
             _text(engine) or None,
@@ -353,12 +391,11 @@ class SessionStore:
         keys = [
             self.key("s", tenant, sid),
             self.index_key(tenant),
-            self.deadlines_key,
+            self.dl_key(tenant),
             self.key("ch", tenant, sid),
             self.key("ctx", tenant, sid),
-            self.key("ch", tenant, parent) if parent else "",
-            self.feed_key,
-            self.feed_seq_key,
+            self.key("ch", tenant, parent) if parent else self._none(tenant),
+            *self.feed_keys(tenant),
         ]
         args: list[str | int | float] = [sid, f"{tenant}{SEP}{sid}", now]
         return bool(await self._call(lambda: self.scripts.call("unregister", keys, args)))
@@ -366,12 +403,26 @@ class SessionStore:
     async def record_completions(
         self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]]
     ) -> int:
-        """Write finished requests, merged per session, in one script call (off the hot path).
+        """Write finished requests, merged per session, in one script call (off the hot path;
+        one per tenant on a cluster, where a call touches one slot).
 
         A record is (tenant, sid, now, engine, last request's usage, summed usage, context blob
         or b""). Returns how many sessions still existed.
         """
-        keys: list[str] = [self.feed_key, self.feed_seq_key]
+        if not self.cluster:
+            return await self._complete(records, self.feed_keys(""))
+        by_tenant: dict[str, list[tuple[str, str, float, str, Usage, Usage, bytes]]] = {}
+        for record in records:
+            by_tenant.setdefault(record[0], []).append(record)
+        written = 0
+        for tenant, group in by_tenant.items():
+            written += await self._complete(group, self.feed_keys(tenant))
+        return written
+
+    async def _complete(
+        self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]], feed: list[str]
+    ) -> int:
+        keys: list[str] = list(feed)
         args: list[bytes | str | int | float] = [self.limits.idle_expiry_s]
         for tenant, sid, now, engine, last, total, context in records:
             keys += [
@@ -472,17 +523,36 @@ class SessionStore:
     # --- frees ----------------------------------------------------------------------------------
     async def free(self, tenant: str, sid: str, *, tree: bool = False) -> list[str]:
         """Free one session (children detached) or its tree (children first). [] if not found."""
-        args: list[str | int] = [self.ns, tenant, sid, "1" if tree else "0", 100_000]
-        freed = await self._call(lambda: self.scripts.call("free", [], args))
+        keys = [self.index_key(tenant), self.dl_key(tenant), *self.feed_keys(tenant)]
+        args: list[str | int] = [
+            self.ns,
+            tenant,
+            sid,
+            "1" if tree else "0",
+            100_000,
+            self._t(tenant),
+        ]
+        freed = await self._call(lambda: self.scripts.call("free", keys, args))
         return [s.decode() for s in freed]
 
     async def due(self, now: float, limit: int = 512) -> list[tuple[str, str]]:
         """(tenant, sid) pairs whose TTL deadline has passed."""
-        raw = await self._call(
-            lambda: self.redis.zrangebyscore(self.deadlines_key, "-inf", now, start=0, num=limit)
-        )
+        raw: list[Any] = []
+        for key in await self._dl_shards():
+            raw += await self._due_in(key, now, limit)
         pairs = (_text(m).split(SEP, 1) for m in raw)
         return [(p[0], p[1]) for p in pairs if len(p) == 2]
+
+    async def _due_in(self, key: str, now: float, limit: int) -> list[Any]:
+        return list(
+            await self._call(lambda: self.redis.zrangebyscore(key, "-inf", now, start=0, num=limit))
+        )
+
+    async def _dl_shards(self) -> list[str]:
+        """Every deadline ZSET: the one of a single Redis, each tenant's on a cluster."""
+        if not self.cluster:
+            return [self.deadlines_key]
+        return [self.dl_key(t) for t in await self.tenants()]
 
     # --- retention ------------------------------------------------------------------------------
     def _member(self, tenant: str, sid: str) -> str:
@@ -490,14 +560,14 @@ class SessionStore:
 
     async def expire(self, tenant: str, sid: str, now: float) -> bool:
         """Expire the session's TTL if its deadline passed; True when this call did it."""
-        keys = [self.key("s", tenant, sid), self.deadlines_key, self.feed_key, self.feed_seq_key]
+        keys = [self.key("s", tenant, sid), self.dl_key(tenant), *self.feed_keys(tenant)]
         args: list[str | int] = [repr(now), self._member(tenant, sid)]
         return bool(await self._call(lambda: self.scripts.call("expire", keys, args)))
 
     async def touched(
         self, tenant: str, sid: str, now: float, recomputed: int, *, warmup: bool = False
     ) -> bool:
-        keys = [self.key("s", tenant, sid), self.feed_key, self.feed_seq_key]
+        keys = [self.key("s", tenant, sid), *self.feed_keys(tenant)]
         args: list[str | int] = [
             repr(now),
             "warmup" if warmup else "touch",
@@ -517,7 +587,7 @@ class SessionStore:
         forget_engine: bool = False,
     ) -> bool:
         """Set (ttl > 0) or drop (ttl == 0) protection, optionally the state; False if unknown."""
-        keys = [self.key("s", tenant, sid), self.deadlines_key, self.feed_key, self.feed_seq_key]
+        keys = [self.key("s", tenant, sid), self.dl_key(tenant), *self.feed_keys(tenant)]
         args: list[str | int] = [
             repr(now),
             repr(ttl_s),
@@ -553,11 +623,11 @@ class SessionStore:
     # --- retention beyond the GPU cap, pinned in the offload tier (proxy/longterm.py) ----------
     @property
     def long_deadlines_key(self) -> str:
-        return f"{self.ns}:long:dl"
+        return f"{self.ns}:long:dl" + (":{long}" if self.cluster else "")
 
     @property
     def long_pins_key(self) -> str:
-        return f"{self.ns}:long:pins"
+        return f"{self.ns}:long:pins" + (":{long}" if self.cluster else "")
 
     async def save_long_pin(self, tenant: str, sid: str, until: float, payload: bytes) -> None:
         """Record a long-retention pin and its deadline (replacing the session's previous one)."""
@@ -611,12 +681,13 @@ class SessionStore:
 
     async def lease(self, name: str, holder: str, ttl_ms: int) -> int:
         """Acquire/renew the lease ``name``: the fencing token while held, else 0."""
-        keys = [f"{self.ns}:lease:{name}", f"{self.ns}:fence:{name}"]
+        tag = f"{{{name}}}" if self.cluster else name  # both keys in one slot
+        keys = [f"{self.ns}:lease:{tag}", f"{self.ns}:fence:{tag}"]
         args: list[str | int] = [holder, ttl_ms]
         return int(await self._call(lambda: self.scripts.call("lease", keys, args)))
 
     async def release_lease(self, name: str, holder: str) -> None:
-        key = f"{self.ns}:lease:{name}"
+        key = f"{self.ns}:lease:" + (f"{{{name}}}" if self.cluster else name)
         current = await self._call(lambda: self.redis.get(key))
         if current is not None and _text(current).rsplit("|", 1)[0] == holder:
             await self._call(lambda: self.redis.delete(key))
@@ -660,10 +731,25 @@ class SessionStore:
         heapq.heapify(self._deadlines)
 
     async def _refresh(self) -> None:
-        reply = await self._feed(self._cursor if self._loaded else -1)
+        shards = await self._tenants_cached() if self.cluster else [""]
+        for shard in shards:
+            await self._refresh_shard(shard)
+
+    async def _tenants_cached(self) -> list[str]:
+        """The tenants (a cluster's feeds are per tenant); re-read at most once a second."""
+        if time.monotonic() - self._tenants_at > 1.0:
+            self._tenant_list = await self.tenants()
+            self._tenants_at = time.monotonic()
+        if not self._known_tenants.issubset(self._tenant_list):  # added here since: at once
+            self._tenant_list = sorted(self._known_tenants.union(self._tenant_list))
+        return self._tenant_list
+
+    async def _refresh_shard(self, shard: str) -> None:
+        cursor = self._cursors.get(shard)
+        reply = await self._feed(shard, -1 if cursor is None else cursor)
         seq, floor = int(reply[0]), int(reply[1])
-        if not self._loaded or seq < self._cursor or self._cursor < floor:
-            await self._load(seq)
+        if cursor is None or seq < cursor or cursor < floor:
+            await self._load(shard, seq)
             return
         width = 2 + len(_BRIEF)
         rows = reply[2:]
@@ -672,37 +758,44 @@ class SessionStore:
             tenant, _, sid = _text(member).partition(SEP)
             gone = fields[0] is None  # freed, or no longer there
             self._mirror_set((tenant, sid), None if gone else _brief((tenant.encode(), *fields)))
-            self._cursor = max(self._cursor, int(score))
+            cursor = max(cursor, int(score))
             if i % (128 * width) == 128 * width - width:
                 await asyncio.sleep(0)  # many changes: the data plane runs in between
         if len(rows) < FEED_PAGE * width:
-            self._cursor = max(self._cursor, seq)  # read everything up to seq
+            cursor = max(cursor, seq)  # read everything up to seq
+        self._cursors[shard] = cursor
 
-    async def _feed(self, after: int) -> list[Any]:
-        keys = [self.feed_key, self.feed_seq_key, f"{self.ns}:chgfloor"]
-        args: list[str | int] = [after, FEED_PAGE, FEED_MAX, self.ns, *_BRIEF]
-        return list(await self._call(lambda: self.scripts.call("feed", keys, args)))
+    async def _feed(self, shard: str, after: int) -> list[Any]:
+        feed, seq = self.feed_keys(shard)
+        floor = f"{self.ns}:chgfloor:{self._t(shard)}" if self.cluster else f"{self.ns}:chgfloor"
+        args: list[str | int] = [after, FEED_PAGE, FEED_MAX, self.ns, self._tag, *_BRIEF]
+        return list(await self._call(lambda: self.scripts.call("feed", [feed, seq, floor], args)))
 
-    async def _page(self, now: float, offset: int) -> list[Any]:
-        args: list[str | int] = [repr(now), LOAD_PAGE, self.ns, offset, *_BRIEF]
-        return list(
-            await self._call(lambda: self.scripts.call("protected", [self.deadlines_key], args))
-        )
+    async def _page(self, shard: str, now: float, offset: int) -> list[Any]:
+        args: list[str | int] = [repr(now), LOAD_PAGE, self.ns, offset, self._tag, *_BRIEF]
+        keys = [self.dl_key(shard)]
+        return list(await self._call(lambda: self.scripts.call("protected", keys, args)))
 
-    async def _load(self, seq: int) -> None:
-        """(Re)load the mirror page by page; changes made meanwhile come after ``seq``."""
-        mirror: dict[tuple[str, str], Session] = {}
+    async def _load(self, shard: str, seq: int) -> None:
+        """(Re)load one shard of the mirror (all of it on a single Redis, one tenant's on a
+        cluster) page by page; changes made meanwhile come after ``seq``."""
+        found: dict[tuple[str, str], Session] = {}
         width, offset, now = 1 + len(_BRIEF), 0, time.time()
         while True:
-            flat = await self._page(now, offset)
+            flat = await self._page(shard, now, offset)
             for i in range(0, len(flat), width):
                 session = _brief(flat[i : i + width])
-                mirror[(session.tenant, session.session_id)] = session
+                found[(session.tenant, session.session_id)] = session
             if len(flat) < LOAD_PAGE * width:
                 break
             offset += LOAD_PAGE
             await asyncio.sleep(0)
-        self._mirror, self._cursor, self._loaded = mirror, seq, True
+        if self.cluster:
+            mirror = {k: v for k, v in self._mirror.items() if k[0] != shard}
+            mirror.update(found)
+        else:
+            mirror = found
+        self._mirror, self._cursors[shard] = mirror, seq
         self._heapify()
         self._listed = None
         self.mirror_loads += 1

@@ -62,7 +62,7 @@ async def _measure(url: str, n: int, changed: float, ticks: int) -> dict[str, An
             usec = await _evalsha_usec(redis)
             t0 = time.perf_counter()
             if name == "full":
-                args: list[str | int] = [repr(time.time()), 100_000, store.ns, 0, *_BRIEF]
+                args: list[str | int] = [repr(time.time()), 100_000, store.ns, 0, "0", *_BRIEF]
                 got = len(await store.scripts.call("protected", [store.deadlines_key], args))
                 assert got == n * (1 + len(_BRIEF))
             else:

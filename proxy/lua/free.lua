@@ -1,10 +1,12 @@
 -- Free a session, or its whole tree with children before parents (post-order).
--- Keys are derived from the namespace prefix (single-instance / Sentinel Redis).
+-- Session keys are derived from the namespace prefix and the tenant as key names write it
+-- (its hash tag on a cluster: all in the slot of the declared keys).
+-- KEYS[1] tenant index ZSET  KEYS[2] deadline ZSET  KEYS[3] change feed ZSET  KEYS[4] feed sequence
 -- ARGV[1] key prefix (e.g. "kvk")  ARGV[2] tenant  ARGV[3] sid  ARGV[4] "1" = whole tree
--- ARGV[5] max sessions to free in one call
+-- ARGV[5] max sessions to free in one call  ARGV[6] the tenant in key names
 -- Returns the freed session ids in the order they were freed (empty when not found).
 local prefix, tenant, root = ARGV[1], ARGV[2], ARGV[3]
-local function key(kind, sid) return prefix .. ':' .. kind .. ':' .. tenant .. ':' .. sid end
+local function key(kind, sid) return prefix .. ':' .. kind .. ':' .. ARGV[6] .. ':' .. sid end
 if redis.call('EXISTS', key('s', root)) == 0 then return {} end
 local order = {}
 if ARGV[4] == '1' then
@@ -32,9 +34,7 @@ else
     redis.call('HDEL', key('s', child), 'parent')  -- orphans keep their own state
   end
 end
-local idx = prefix .. ':idx:' .. tenant
-local dl = prefix .. ':dl'
-local feed, seq = prefix .. ':chg', prefix .. ':chgseq'
+local idx, dl, feed, seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 for _, sid in ipairs(order) do
   local parent = redis.call('HGET', key('s', sid), 'parent')
   if parent then redis.call('SREM', key('ch', parent), sid) end

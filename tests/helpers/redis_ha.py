@@ -15,7 +15,7 @@ from tests.helpers.redis_server import free_port
 
 
 def _wait(port: int, timeout_s: float = 10.0) -> None:
-    client = redis.Redis(port=port, socket_timeout=0.5)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -96,10 +96,14 @@ class SentinelSet:
         return f"redis+sentinel://{hosts}/{self.service}"
 
     def start(self) -> SentinelSet:
-        self.master.start()
-        self.replica.start()
-        for s in self.sentinels:
-            s.start()
+        try:
+            self.master.start()
+            self.replica.start()
+            for s in self.sentinels:
+                s.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def master_port_now(self) -> int:
@@ -112,5 +116,73 @@ class SentinelSet:
 
     def stop(self) -> None:
         for node in (*self.sentinels, self.replica, self.master):
+            node.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ClusterSet:
+    """A Redis Cluster of ``masters`` primaries (no replicas), slots spread evenly."""
+
+    def __init__(self, masters: int = 3) -> None:
+        exe = shutil.which("redis-server")
+        cli = shutil.which("redis-cli")
+        if exe is None or cli is None:
+            raise RuntimeError("redis-server/redis-cli not found: apt-get install -y redis-server")
+        self.cli = cli
+        self.dir = Path(tempfile.mkdtemp(prefix="kvk-cluster-"))
+        self.nodes: list[Node] = []
+        for _ in range(masters):
+            port = free_port()
+            while port + 10000 > 65535:  # a cluster node also listens on port + 10000
+                port = free_port()
+            argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no", "--dir", str(self.dir), "--cluster-enabled", "yes",
+                    "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", "2000"]  # fmt: skip
+            self.nodes.append(Node(argv, port))
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> ClusterSet:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> ClusterSet:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        for node in self.nodes:
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                while client.cluster("INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the cluster did not become ready")
+                    time.sleep(0.1)
+            finally:
+                client.close()
+        return self
+
+    def keys_per_node(self, pattern: str) -> list[int]:
+        counts = []
+        for node in self.nodes:
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                counts.append(sum(1 for _ in client.scan_iter(pattern)))
+            finally:
+                client.close()
+        return counts
+
+    def stop(self) -> None:
+        for node in self.nodes:
             node.kill()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -35,6 +35,7 @@ from proxy.errors import (
     ServerBusy,
     error_middleware,
 )
+from proxy.guards import Guards
 from proxy.hashcheck import HASH_CHECKS, check_engines
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
@@ -50,6 +51,7 @@ from proxy.tiers import TierKeeper
 from proxy.touches import TouchRunner
 from proxy.upstream import Engine, EnginePool, make_client
 from proxy.watch import StoreWatch, redacted, watch
+from proxy.workers import worker_count
 
 log = logging.getLogger("kvkeeper.app")
 
@@ -126,6 +128,9 @@ def build_retention(
         r,
         metrics,
         tiers=TierKeeper(store, settings.tier, metrics),
+        guards=Guards(
+            settings.guard, metrics, workers=worker_count(settings.workers) if settings.port else 1
+        ),
         anchors=anchors,
         blocks=blocks,
         touches=touches,

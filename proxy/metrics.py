@@ -191,6 +191,38 @@ class Metrics:
         self.warmup_recomputed_tokens = Counter(
             "kvkeeper_warmup_recomputed_tokens", "Prompt tokens warm-ups recomputed", registry=r
         )
+        # the retention guard (policy/guard.py): retention's cost against the hits it bought
+        self.guard_balance = Gauge(
+            "kvkeeper_retention_guard_balance_tokens",
+            "Hits retention bought less what it cost (recompute weighted by the queue, tier "
+            "loads), decaying; below zero with enough evidence the guard backs off",
+            ["engine"],
+            registry=r,
+        )
+        self.guard_cost = Counter(
+            "kvkeeper_retention_guard_cost_tokens",
+            "Retention's weighted cost on the engine (recompute x (1 + queue), tier loads)",
+            ["engine"],
+            registry=r,
+        )
+        self.guard_bought = Counter(
+            "kvkeeper_retention_guard_bought_tokens",
+            "Prompt tokens resumes hit that retention had kept for them",
+            ["engine"],
+            registry=r,
+        )
+        self.guard_backed_off = Gauge(
+            "kvkeeper_retention_guard_backed_off",
+            "1 while the guard holds retention back on the engine (touches, warm-ups, new pins)",
+            ["engine"],
+            registry=r,
+        )
+        self.guard_backoffs = Counter(
+            "kvkeeper_retention_guard_backoffs",
+            "Times the guard backed retention off on the engine",
+            ["engine"],
+            registry=r,
+        )
         self.anchor_touches = Counter(
             "kvkeeper_anchor_touches",
             "Keep-alive touches of agent anchors, by engine and outcome",

@@ -222,7 +222,13 @@ class SessionOps:
     ) -> EditResult | TouchResult | None:
         """Re-send the session's prefix (a warm-up) when the engine's retention credit covers
         the ``recompute_tokens`` it is expected to cost, settled afterwards with what it did
-        recompute; else why not. None: no recorded context."""
+        recompute; else why not (the guard holding retention back on the engine included).
+        None: no recorded context."""
+        guards = self.retention.guards
+        if guards is not None and not guards.allows(es.name, time.time()):
+            return EditResult(
+                edit, "rejected", "retention_backed_off", guards.view(es.name, time.time())
+            )
         if not es.signals.overhead.admit(recompute_tokens):
             return EditResult(
                 edit,
@@ -234,6 +240,8 @@ class SessionOps:
                 },
             )
         result = None
+        load = es.signals.load
+        waiting = float(load.waiting or 0) if load is not None else 0.0
         try:
             result = await self.retention.touches.replay(
                 es,
@@ -242,7 +250,10 @@ class SessionOps:
                 limit_blocks=edit.block_end,
             )
         finally:
-            es.signals.overhead.settle(recompute_tokens, result.recomputed_tokens if result else 0)
+            recomputed = result.recomputed_tokens if result else 0
+            es.signals.overhead.settle(recompute_tokens, recomputed)
+            if guards is not None:
+                guards.spent(es.name, recomputed, waiting, time.time())
         return result
 
     async def _warmup_cost(

@@ -38,6 +38,7 @@ from policy import (
 from proxy.anchors import AnchorKeeper
 from proxy.block_cache import BlockCache
 from proxy.engine_state import EngineState
+from proxy.guards import Guards
 from proxy.keys import SessionKey
 from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
@@ -71,6 +72,7 @@ class Retention:
         anchors: AnchorKeeper | None = None,
         blocks: BlockCache | None = None,
         touches: TouchRunner | None = None,
+        guards: Guards | None = None,
     ) -> None:
         self.store = store
         self.engines: Mapping[str, EngineState] = {e.name: e for e in engines}
@@ -89,6 +91,11 @@ class Retention:
         )
         self.tiers = tiers
         self.anchors = anchors
+        # retention's measured effect per engine: touches, warm-ups and new pins stop where
+        # their cost outweighs the hits they bought (policy/guard.py)
+        self.guards = guards
+        self.touches.guards = guards
+        self.tiers.guards = guards
         self.holder = uuid.uuid4().hex[:12]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -128,10 +135,15 @@ class Retention:
         if es is not None:
             es.signals.served(prompt_tokens)
 
-    def on_completion(self, engine: str, usage: Usage | None, before: Upserted) -> None:
-        """After a hinted request: feed the horizon in feedback mode. A resumed session whose
+    def on_completion(
+        self, engine: str, usage: Usage | None, before: Upserted, key: SessionKey | None = None
+    ) -> None:
+        """After a hinted request of session ``key``: credit the guard with what retention had
+        kept for it, and feed the horizon in feedback mode. A resumed session whose
         prompt extends its previous one would hit all of that prompt's full blocks if they
         were still resident; fewer cached tokens after a gap bound the horizon below it."""
+        if self.guards is not None and key is not None and usage is not None:
+            self.guards.resumed(engine, key, usage.cached_tokens, time.time())
         es = self.engines.get(engine)
         if es is None or es.signals.has_events or usage is None or not before.last_active:
             return
@@ -144,6 +156,8 @@ class Retention:
 
     def forget(self, key: SessionKey) -> None:
         self.blocks.forget(key)
+        if self.guards is not None:
+            self.guards.forget(key)
         if self.anchors is not None:
             self.anchors.forget(*key)
 
@@ -218,7 +232,10 @@ class Retention:
         horizon: float,
         now: float,
     ) -> None:
-        """Touch what the keep-alive plan picks and what the allocation front reached."""
+        """Touch what the keep-alive plan picks and what the allocation front reached (none
+        while the guard holds retention back on this engine)."""
+        if self.guards is not None and not self.guards.allows(es.name, now):
+            return
         plan = plan_touches(
             [
                 ProtectedSession(
@@ -323,6 +340,9 @@ class Retention:
             touch_latency_s=round(es.touch_latency.get(), 4),
             touch_deadline_s=round(self.touches.deadline_s, 3),
             touch_trimmed_blocks=es.trimmed_blocks,
+            guard=self.guards.view(name, time.time()) if self.guards is not None else None,
+            scheduling_policy=getattr(es.adapter, "scheduling_policy", None),
+            admission_priorities=bool(getattr(es.adapter, "prioritized", False)),
             pressure_overrides_now=len(es.overridden),
             anchors=self.anchors.view(name, time.time(), tenant) if self.anchors else [],
         )

@@ -97,7 +97,7 @@ def _after(
         now=time.time(),
     )
     if rt.retention is not None:
-        rt.retention.on_completion(engine.name, usage, before)
+        rt.retention.on_completion(engine.name, usage, before, SessionKey(tenant, hint.session_id))
         if hint.agent_name and rt.retention.anchors is not None:
             rt.retention.anchors.observe(
                 engine.name,

@@ -199,8 +199,26 @@ class TierSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pin_share: float = Field(
-        default=0.0, ge=0, le=1, description="Share of the tier's capacity pins may hold (0: off)."
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of the tier's capacity pins may hold, on engines with a tier (0: off).",
     )
+
+
+class GuardSettings(BaseModel):
+    """The retention guard (policy/guard.py): per engine, retention's recompute (weighted by
+    the queue it delayed) and tier loads against the hits it bought; below zero it backs off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="Measure retention's effect and back off.")
+    # fixed (not settings): how fast old cost and hits stop counting, the weighted cost seen
+    # before it may judge, cost per recomputed token per request then waiting, first back-off
+    half_life_s: ClassVar[float] = 60.0
+    min_evidence_tokens: ClassVar[float] = 8192.0
+    queue_weight: ClassVar[float] = 1.0
+    cooldown_s: ClassVar[float] = 30.0
 
 
 class AdmissionSettings(BaseModel):
@@ -351,6 +369,7 @@ class Settings(BaseSettings):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     tier: TierSettings = Field(default_factory=TierSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    guard: GuardSettings = Field(default_factory=GuardSettings)
     anchors: AnchorSettings = Field(default_factory=AnchorSettings)
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING ...")

@@ -43,6 +43,7 @@ from adapters.lmcache import LMCacheAdapter
 from policy import PinCandidate, plan_pins
 from proxy.context import decode_context
 from proxy.engine_state import EngineState
+from proxy.guards import Guards
 from proxy.keys import SessionKey
 from proxy.metrics import Metrics
 from proxy.settings import TierSettings
@@ -116,6 +117,7 @@ class TierKeeper:
         self.capacity_refresh_s = capacity_refresh_s
         self.capacity_retry_s = capacity_retry_s
         self._state: dict[str, _TierState] = {}
+        self.guards: Guards | None = None  # set by Retention: no new pins while it backs off
 
     async def tick(
         self,
@@ -151,7 +153,8 @@ class TierKeeper:
             keep = set(want)
             for sk in [sk for sk in st.pins if sk not in keep]:
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
-            await self._pin_wanted(es, tier, st, want, by_key)
+            if self.guards is None or self.guards.allows(es.name, now):
+                await self._pin_wanted(es, tier, st, want, by_key)
         self._report(es, st)
         return {
             sk
@@ -254,6 +257,8 @@ class TierKeeper:
                 pin.stored,
             )
             st.pins[sk] = pin
+            if self.guards is not None:  # a resume loads what the pin holds
+                self.guards.kept(es.name, sk, pin.stored, tier=True)
             await self._record(es, sk, pin)
             if old is not None:  # after the new pin: the chunks both cover never drop to zero
                 await self._unpin(tier, old)

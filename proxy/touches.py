@@ -20,6 +20,7 @@ from policy.overhead import SESSION_TOUCH
 from proxy.block_cache import BlockCache
 from proxy.context import decode_context
 from proxy.engine_state import EngineState
+from proxy.guards import Guards
 from proxy.keys import SessionKey
 from proxy.metrics import Metrics
 from proxy.store import Session, SessionStore, StoreDown
@@ -45,6 +46,7 @@ class TouchRunner:
         self.blocks = blocks
         self.metrics = metrics
         self.deadline_s = deadline_s
+        self.guards: Guards | None = None  # set by Retention: what touches cost, what they kept
         self._tasks: set[asyncio.Task[int]] = set()
 
     def track(
@@ -60,6 +62,8 @@ class TouchRunner:
         it updates), then ``on_done``."""
         task = asyncio.create_task(touch)
         self._tasks.add(task)
+        load = es.signals.load
+        waiting = float(load.waiting or 0) if load is not None else 0.0  # what it queues ahead of
 
         def done(t: asyncio.Task[int]) -> None:
             self._tasks.discard(t)
@@ -70,6 +74,8 @@ class TouchRunner:
                 else:
                     recomputed = t.result()
             es.signals.overhead.settle(reserved, recomputed, touch=True, kind=kind)
+            if self.guards is not None:
+                self.guards.spent(es.name, recomputed, waiting, time.time())
             on_done()
 
         task.add_done_callback(done)
@@ -177,6 +183,8 @@ class TouchRunner:
         # the session's counters first: with no await after it, a touch is either counted in
         # both places or (cancelled before) in neither
         await self.store.touched(*key, now, recomputed, warmup=warmup)
+        if self.guards is not None:  # the prefix it refreshed (or brought back) for the resume
+            self.guards.kept(es.name, key, result.prompt_tokens)
         if warmup:
             self.metrics.warmup_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.warmup_recomputed_tokens.inc(recomputed)

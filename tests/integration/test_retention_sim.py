@@ -11,6 +11,7 @@ import pytest
 
 import proxy.block_cache
 from adapters.base import AdapterError
+from policy.guard import GuardConfig
 from proxy.block_cache import PRUNE_EVERY_S
 from proxy.keys import SessionKey
 from tests.helpers.redis_server import RedisServer
@@ -427,6 +428,67 @@ async def test_admission_priority_is_detected_from_the_engines_scheduling_policy
 
 async def _told(es) -> bool:  # type: ignore[no-untyped-def]
     return es.adapter.scheduling_policy is not None
+
+
+async def test_the_guard_backs_off_when_retention_costs_more_than_it_bought(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """A warm-up re-prefills an evicted session that never comes back: retention's measured
+    balance on the engine turns negative, and the guard holds it back (warm-ups refused,
+    touches and pins paused), visible in the metrics and /admin/engines."""
+    async with sim_stack(redis_server.url, namespace, num_blocks=400) as st:
+        _guard(st, GuardConfig(min_evidence_tokens=1000, cooldown_s=600, max_cooldown_s=600))
+        await st.complete(prompt(1), {"session_id": "w"})  # 63 blocks
+        await _known_blocks(st, "w")
+        _, es = _engine_state(st)
+        assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
+        await _flood(st, n=14)  # LRU takes the session's blocks
+        first = (await st.manage("w", "prefetch"))["results"][0]
+        assert first["status"] == "applied", first  # re-prefilled: about 2,000 tokens
+        assert first["detail"]["cached_tokens"] < 0.5 * FULL
+        admin = {"Authorization": "Bearer admin-secret"}
+        view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        guard_view = view["data"][0]["retention"]["guard"]
+        assert guard_view["cost_tokens"] > 1000 and guard_view["bought_tokens"] == 0
+        second = (await st.manage("w", "prefetch"))["results"][0]
+        assert second["status"] == "rejected" and second["reason"] == "retention_backed_off"
+        assert second["detail"]["state"] == "backed_off" and second["detail"]["balance_tokens"] < 0
+        assert await st.metric("kvkeeper_retention_guard_backed_off") == 1
+        assert await st.metric("kvkeeper_retention_guard_backoffs_total") == 1
+        assert await st.metric("kvkeeper_retention_guard_cost_tokens_total") > 1000
+        view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        guard_view = view["data"][0]["retention"]["guard"]
+        assert guard_view["state"] == "backed_off" and guard_view["backoffs"] == 1
+
+
+def _guard(st, config: GuardConfig) -> None:  # type: ignore[no-untyped-def]
+    retention, _ = _engine_state(st)
+    assert retention.guards is not None
+    retention.guards.configure(config)
+
+
+async def test_the_guard_credits_the_hits_a_warm_up_bought(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """A warm-up brings an evicted session back and the session resumes on it: the tokens it
+    kept are credited as bought, and retention stays on."""
+    async with sim_stack(redis_server.url, namespace, num_blocks=400) as st:
+        _guard(st, GuardConfig(min_evidence_tokens=1000, queue_weight=0.0))
+        await st.complete(prompt(1), {"session_id": "w"})
+        await _known_blocks(st, "w")
+        _, es = _engine_state(st)
+        assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
+        await _flood(st, n=14)
+        warm = (await st.manage("w", "prefetch"))["results"][0]
+        assert warm["status"] == "applied", warm
+        resumed = await st.complete(prompt(1) + [7] * 100, {"session_id": "w"})
+        assert cached(resumed) >= 0.95 * FULL
+        bought = await st.metric("kvkeeper_retention_guard_bought_tokens_total")
+        assert bought >= 0.95 * FULL
+        admin = {"Authorization": "Bearer admin-secret"}
+        view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        guard_view = view["data"][0]["retention"]["guard"]
+        assert guard_view["state"] == "active" and guard_view["bought_tokens"] >= 0.95 * FULL
 
 
 async def test_prefetch_without_a_tier_warms_only_what_fits(

@@ -14,7 +14,9 @@ def test_the_settings_reference_is_current() -> None:
     assert DOC.read_text() == render(), "run: python scripts/gen_settings_doc.py"
 
 
-MAX_LEAF_SETTINGS = 50  # a new setting retires one, or raises this with a reason
+# a new setting retires one, or raises this with a reason: 51 for guard.enabled (issue 28),
+# the one switch of retention's measured back-off
+MAX_LEAF_SETTINGS = 51
 
 
 def test_the_number_of_leaf_settings_does_not_grow() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from adapters.base import CacheConfig, EngineMetrics, EventSink, TouchResult
+from adapters.base import CacheConfig, EngineAdapter, EngineMetrics, EventSink, TouchResult
 from adapters.kv_events import BlockRemoved, BlockStored, EventBatch
 from adapters.registry import AdapterSpec, register
 
@@ -26,18 +26,11 @@ _U64 = (1 << 64) - 1  # block ids are unsigned 64-bit, as the engine's events ca
 @dataclass
 class _Subscription:
     engine: MemoryEngine
+    sink: EventSink
     token_ids: bool = False
 
-    @property
-    def sink(self) -> EventSink | None:
-        return self.engine.sink
-
-    @sink.setter
-    def sink(self, sink: EventSink | None) -> None:
-        self.engine.sink = sink
-
     async def aclose(self) -> None:
-        self.engine.sink = None
+        self.engine.subscription = None
 
 
 @dataclass
@@ -54,7 +47,7 @@ class MemoryEngine:
     health_routes: tuple[str, ...] = ("/health",)
     prioritized: bool = False
     scheduling_policy: str | None = None
-    sink: EventSink | None = None
+    subscription: _Subscription | None = None
     waiting: float = 0.0
     queries: float = 0.0
     hits: float = 0.0
@@ -112,8 +105,12 @@ class MemoryEngine:
         return self.events
 
     def subscribe(self, sink: EventSink) -> _Subscription:
-        self.sink = sink
-        return _Subscription(self)
+        self.subscription = _Subscription(self, sink)
+        return self.subscription
+
+    def _publish(self, *events: Any) -> None:
+        if self.subscription is not None:
+            self.subscription.sink.apply(EventBatch(time.time(), tuple(events)))
 
     # --- the engine ---------------------------------------------------------------------------
     def serve(self, tokens: Sequence[int], cache_salt: Any = None) -> TouchResult:
@@ -142,18 +139,18 @@ class MemoryEngine:
             events.append(BlockStored(tuple(stored), None, (), bs))
         if removed:
             events.append(BlockRemoved(tuple(removed)))
-        if events and self.sink is not None:
-            self.sink.apply(EventBatch(time.time(), tuple(events)))
+        if events:
+            self._publish(*events)
         return TouchResult(len(tokens), cached, self.latency_s or time.monotonic() - started)
 
     def evict_all(self) -> None:
         removed = tuple(self.lru)
         self.lru.clear()
-        if removed and self.sink is not None:
-            self.sink.apply(EventBatch(time.time(), (BlockRemoved(removed),)))
+        if removed:
+            self._publish(BlockRemoved(removed))
 
 
-def _factory(spec: AdapterSpec, session: aiohttp.ClientSession) -> MemoryEngine:
+def _factory(spec: AdapterSpec, session: aiohttp.ClientSession) -> EngineAdapter:
     return MemoryEngine(name=spec.name, base_url=spec.url)
 
 

@@ -16,7 +16,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from proxy.settings import LEGACY_RETENTION_KEYS, Settings
+from proxy.settings import Settings
+from proxy.settings_compat import LEGACY_RETENTION_KEYS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 

@@ -27,7 +27,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from loadgen.metrics import counter_delta, parse_counters, summarize
 from loadgen.runner import RunOptions, Target, run_workload
 from loadgen.sim.server import SimConfig, SimEndpoints
 from loadgen.stack import (
+    clear_lmcache_l1,
     reset_prefix_cache,
     start_kvkeeper,
     start_redis,
@@ -93,6 +94,9 @@ class CompareSpec:
     api: str | None = "completions-ids"  # exact token ids: the ceilings see the engine's blocks
     retention: dict[str, Any] = field(default_factory=dict)
     offload: bool = True  # give kvkeeper the simulator's LMCache-shaped tier when it has one
+    # the real engines' LMCache MP stack ({coordinator_url, server_url, model_name}): kvkeeper's
+    # tier when ``offload``, and its L1 cleared between targets with their prefix caches
+    engine_lmcache: Mapping[str, Any] | None = None
     router: str | None = None
     model: str = "sim"
     repeats: int = 1
@@ -106,6 +110,10 @@ async def _engines(
     """Fresh simulators for target ``name``, or the configured real engines (cache reset)."""
     if spec.engine_urls:
         failed = await reset_prefix_cache(spec.engine_urls)
+        if spec.engine_lmcache is not None and not await clear_lmcache_l1(
+            str(spec.engine_lmcache["server_url"])
+        ):
+            failed.append(str(spec.engine_lmcache["server_url"]))
         if failed:
             print(f"warning: prefix cache not reset on {', '.join(failed)}", flush=True)
         events = list(spec.engine_events) + [""] * len(spec.engine_urls)
@@ -157,6 +165,7 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
                 offload=spec.offload,
                 workers=workers,
                 share=share,
+                lmcache=spec.engine_lmcache,
             ) as url,
         ):
             yield url

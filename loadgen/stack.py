@@ -152,13 +152,16 @@ def kvkeeper_config(
     offload: bool,
     workers: int = 1,
     share: bool = True,
+    lmcache: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The YAML settings of a kvkeeper in front of ``sims`` (KV events always; the LMCache tier
-    when ``offload`` and the simulator serves one)."""
+    when ``offload``: ``lmcache`` for real engines, else the simulator's when it serves one)."""
     engines: list[dict[str, Any]] = []
     for sim in sims:
         engine: dict[str, Any] = {"url": sim.url, "events": sim.events_endpoint}
-        if offload and sim.lmcache_url:
+        if offload and lmcache is not None:
+            engine["lmcache"] = dict(lmcache)
+        elif offload and sim.lmcache_url:
             engine["lmcache"] = {
                 "coordinator_url": sim.lmcache_url,
                 "server_url": sim.lmcache_url,
@@ -191,6 +194,7 @@ async def start_kvkeeper(
     offload: bool = True,
     workers: int = 1,
     share: bool = True,
+    lmcache: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[str]:
     """``kvkeeper serve`` (a ``python -m proxy.cli`` child) in front of ``sims``; yields its URL."""
     port = free_port()
@@ -203,6 +207,7 @@ async def start_kvkeeper(
         offload=offload,
         workers=workers,
         share=share,
+        lmcache=lmcache,
     )
     config = _write_yaml(log_dir / f"kvkeeper-{port}.yaml", doc)
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
@@ -241,6 +246,17 @@ async def start_router(
         url = f"http://127.0.0.1:{port}"
         await wait_http(url + "/health", proc, timeout_s=120.0)
         yield url
+
+
+async def clear_lmcache_l1(server_url: str) -> bool:
+    """``POST /cache/clear`` (L1) on an LMCache MP server: whether it answered 200."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        try:
+            url = server_url.rstrip("/") + "/cache/clear"
+            async with http.post(url, json={"tier": "l1"}) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
 
 async def reset_prefix_cache(urls: Sequence[str]) -> list[str]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import aiohttp
+
 from adapters.base import AdapterError, TouchResult
 from policy.anchors import common_prefix
 from proxy.context import decode_context
@@ -197,6 +199,16 @@ class SessionOps:
             tokens = await self._tokens(es, session, edit)
             if tokens:
                 tier_tokens = detail["tier_tokens"] = await es.tier.lookup(tokens)
+            if tokens and tier_tokens:
+                # stage what the tier holds into its memory level first (LMCache MP: L2 -> L1):
+                # the warm-up then loads it instead of recomputing what sits only on disk
+                try:
+                    detail["staged_chunks"] = await es.tier.prefetch_to_l1(
+                        tokens[:tier_tokens], timeout_s=10.0
+                    )
+                except (AdapterError, aiohttp.ClientError, TimeoutError) as exc:
+                    detail["staged_chunks"] = 0
+                    detail["staging_error"] = str(exc)[:200]
         cost = await self._warmup_cost(es, session, edit, tier_tokens)
         if isinstance(cost, EditResult):
             return cost

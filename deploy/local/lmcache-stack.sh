@@ -11,6 +11,7 @@
 #   LMCACHE_L2_DIR [$LMCACHE_RUN_DIR/l2]   LMCACHE_HOST [127.0.0.1]   LMCACHE_L1_GB [1]
 #   LMCACHE_COORD_PORT [9300]  LMCACHE_MP_PORT [9200]  LMCACHE_HTTP_PORT [9280]
 #   LMCACHE_PROM_PORT [9290]   LMCACHE_READY_TIMEOUT_S [120]
+#   LMCACHE_L2_ADAPTER [a file L2 in $LMCACHE_L2_DIR]: an --l2-adapter JSON, or "none" (L1 only)
 # Flags that matter on CPU: `--supported-transfer-mode auto` (else vLLM hangs at start-up) and
 # `--eviction-policy` (required with `--shm-name`).
 set -euo pipefail
@@ -60,11 +61,18 @@ start() {
   launch coordinator "$LMC_VENV/bin/lmcache" coordinator --host "$HOST" --port "$COORD_PORT" \
     --chunk-size "$CHUNK_SIZE"
   wait_http coordinator "http://$HOST:$COORD_PORT/healthz" healthy
+  # L2: a file store under $L2_DIR, or LMCACHE_L2_ADAPTER (an adapter JSON, or "none": L1 only)
+  local L2=(--l2-adapter "{\"type\":\"fs\",\"base_path\":\"$L2_DIR\"}")
+  if [[ "${LMCACHE_L2_ADAPTER:-}" == none ]]; then L2=()
+  elif [[ -n "${LMCACHE_L2_ADAPTER:-}" ]]; then L2=(--l2-adapter "$LMCACHE_L2_ADAPTER"); fi
+  # --l1-init-size-gb takes whole GB only: a fractional L1 (tests) is allocated up front instead
+  local L1_INIT=(--l1-init-size-gb "$L1_GB")
+  [[ "$L1_GB" =~ ^[0-9]+$ ]] || L1_INIT=(--no-l1-use-lazy)
   launch server "$LMC_VENV/bin/lmcache" server --host "$HOST" --port "$MP_PORT" \
     --http-host "$HOST" --http-port "$HTTP_PORT" --prometheus-port "$PROM_PORT" \
-    --l1-size-gb "$L1_GB" --l1-init-size-gb "$L1_GB" --chunk-size "$CHUNK_SIZE" \
+    --l1-size-gb "$L1_GB" "${L1_INIT[@]}" --chunk-size "$CHUNK_SIZE" \
     --eviction-policy LRU --supported-transfer-mode auto --shm-name "lmc_shm_$MP_PORT" \
-    --l2-adapter "{\"type\":\"fs\",\"base_path\":\"$L2_DIR\"}" \
+    "${L2[@]}" \
     --coordinator-url "http://$HOST:$COORD_PORT" --coordinator-advertise-ip "$HOST" \
     --coordinator-event-reporting
   wait_http server "http://$HOST:$HTTP_PORT/healthcheck" healthy

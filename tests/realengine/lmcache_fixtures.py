@@ -88,7 +88,7 @@ def _require_installed(engine_python: Path) -> None:
         pytest.skip("no LMCache connector in the engine venv: run deploy/local/lmcache-install.sh")
 
 
-def _stack_env(ports: dict[str, int], folder: Path) -> dict[str, str]:
+def _stack_env(ports: dict[str, int], folder: Path, l1_gb: str = "1") -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         LMCACHE_RUN_DIR=str(folder),
@@ -97,7 +97,7 @@ def _stack_env(ports: dict[str, int], folder: Path) -> dict[str, str]:
         LMCACHE_MP_PORT=str(ports["mp"]),
         LMCACHE_HTTP_PORT=str(ports["http"]),
         LMCACHE_PROM_PORT=str(ports["prom"]),
-        LMCACHE_L1_GB="1",
+        LMCACHE_L1_GB=l1_gb,
     )
     return env
 
@@ -115,12 +115,15 @@ def lmcache_engine_python() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def lmcache_stack(
-    lmcache_engine_python: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    lmcache_engine_python: tuple[Path, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[LMCacheStack]:
-    """Coordinator + MP server on free ports, stopped (and their shared memory freed) at the end."""
+    """Coordinator + MP server on free ports, stopped (and their shared memory freed) at the end.
+    The importing module may set ``LMCACHE_L1_GB`` (a string, default "1") for a smaller L1."""
     folder = tmp_path_factory.mktemp("lmcache")
     ports = {name: free_port() for name in ("coord", "mp", "http", "prom")}
-    env = _stack_env(ports, folder)
+    env = _stack_env(ports, folder, str(getattr(request.module, "LMCACHE_L1_GB", "1")))
     started = subprocess.run(
         ["bash", str(STACK_SCRIPT), "start"], env=env, capture_output=True, text=True,
         timeout=300, check=False,

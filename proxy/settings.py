@@ -99,7 +99,11 @@ class Limits(BaseModel):
         description="Request bodies in memory at once, all requests together (beyond: 503).",
     )
     header_timeout_s: float = Field(
-        default=15.0, gt=0, description="An idle or half-sent request line and headers."
+        default=15.0,
+        gt=0,
+        description="A connection idle, or with its request line and headers half sent, this "
+        "long is closed (slowloris). It is also the keep-alive idle timeout: a load balancer "
+        "that pools connections to kvkeeper must idle them out sooner.",
     )
     body_timeout_s: float = Field(default=60.0, gt=0, description="The whole request body.")
     max_ttl_s: float = Field(

@@ -113,7 +113,7 @@ async def rig() -> AsyncIterator[Rig]:
             port, events = free_port(), free_port()
             sim = Proc(
                 [sys.executable, "-m", "proxy.cli", "sim", "--port", str(port),
-                 "--events-port", str(events), "--no-replay", "--profile", "instant",
+                 "--events-port", str(events), "--no-replay", "--profile", "cpu-smollm2", "--speed", "4",
                  "--reply-tokens", "8", "--log-level", "WARNING"],
                 base / f"sim-{i}.log",
             )  # fmt: skip
@@ -202,7 +202,7 @@ class Load:
                         ok = resp.status == 200 and "engine_failed" not in text
                         self.outcomes.append(
                             Outcome(started, time.monotonic(), r, resp.status if ok else 599,
-                                    "" if ok else text[:300], resp.headers.get("X-KVKeeper-Hint", ""))
+                                    "" if ok else text[-300:], resp.headers.get("X-KVKeeper-Hint", ""))
                         )  # fmt: skip
                     break
                 except aiohttp.ClientConnectorError:

@@ -207,9 +207,11 @@ class Retention:
             s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
         ]
         blocks: dict[SessionKey, tuple[int, ...]] = {}
-        for i, s in enumerate(sessions):
-            if i % 128 == 127:
-                await asyncio.sleep(0)  # a long list must not hold the data plane's loop
+        for s in sessions:
+            # the loop is the data plane's too: requests waiting for it wait for one session's
+            # block ids (a context decoded and hashed, ~ms per 100K tokens), not for the tick
+            # (under CPU contention ticks took 200 ms and every request arriving in one waited)
+            await asyncio.sleep(0)
             blocks[key_of(s)] = await self.blocks.blocks_of(key_of(s), s, active_s=RELEARN_IDLE_S)
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
         # the pins of sessions no longer protected are released, so this runs with none too)

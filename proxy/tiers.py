@@ -28,6 +28,7 @@ undoes them. A tier that does not answer leaves sessions to the touches, as with
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -238,6 +239,7 @@ class TierKeeper:
         ``max_pins_per_tick``)."""
         changes = 0
         for sk in want:
+            await asyncio.sleep(0)  # one pin's lookup and encoding at a time on the shared loop
             session = sessions[sk]
             old = st.pins.get(sk)
             if old is not None and old.version == session.last_used:

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from loadgen.stack import start_redis
 from proxy.hints import Hint
 from proxy.settings import Limits
-from proxy.store import _BRIEF, SessionStore
+from proxy.store import BRIEF, SessionStore
 
 
 async def _evalsha_usec(redis: Redis) -> int:
@@ -62,9 +62,9 @@ async def _measure(url: str, n: int, changed: float, ticks: int) -> dict[str, An
             usec = await _evalsha_usec(redis)
             t0 = time.perf_counter()
             if name == "full":
-                args: list[str | int] = [repr(time.time()), 100_000, store.ns, 0, "0", *_BRIEF]
+                args: list[str | int] = [repr(time.time()), 100_000, store.ns, 0, "0", *BRIEF]
                 got = len(await store.scripts.call("protected", [store.deadlines_key], args))
-                assert got == n * (1 + len(_BRIEF))
+                assert got == n * (1 + len(BRIEF))
             else:
                 assert len(await store.protected(time.time())) == n
             wall = (time.perf_counter() - t0) * 1000

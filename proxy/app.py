@@ -264,6 +264,12 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
                 redis, subscriber, settings.namespace, rt.placer.prefixes, pool.by_name
             )
             rt.placer.share = rt.prefix_share
+            # an engine's load is scraped by its lease holder alone: every process gets it
+            for engine in pool.engines:
+                engine.signals.on_scraped = rt.prefix_share.loaded
+            rt.prefix_share.on_load = lambda name, load: pool.by_name[name].signals.shared_load(
+                load
+            )
             rt.prefix_share.start()
         app[RESPONSES] = ResponseMap(store, settings.response_ttl_s)
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))

@@ -107,7 +107,11 @@ class Placer:
         if len(engines) == 1:
             return ranked
         if chain:
-            return self._by_prompt(ranked, chain)
+            # full ties go the same way in every replica and worker: the engines in an order
+            # from the prompt's first chunk, not this process's rotation or requests in flight
+            start = int.from_bytes(chain[0][:4], "big") % len(engines)
+            by_prompt = engines[start:] + engines[:start]
+            return self._by_prompt(sorted(by_prompt, key=lambda e: not e.healthy), chain)
         if affinity is None:
             return ranked
         if self.known_blocks is not None:

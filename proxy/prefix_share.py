@@ -5,6 +5,9 @@ and the prefill it queued at each engine and saw start (+/- tokens), and applies
 publish: their chains to its own ``PrefixIndex``, their queued prefill to what it counts per
 engine. Replicas in front of the same engines then place the same prompt on the same engine,
 weighing the same queues, instead of each learning its own placements from half the traffic.
+The holder of an engine's retention lease, the one process that scrapes its metrics, publishes
+the load it read (pool size, cache usage, queue), so every process bounds its prefix index by
+the engine's pool and weighs the same load.
 Publishing is batched (one message per ``FLUSH_S``) and best effort: with Redis down each
 process keeps placing from what it knows. The queued prefill of a process not heard from for
 ``SILENT_S`` (it stopped) no longer counts.
@@ -15,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import struct
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from policy.budget import EngineLoad
 from policy.prefix_index import PrefixIndex
 
 log = logging.getLogger("kvkeeper.prefix_share")
@@ -33,10 +38,20 @@ ORIGIN_BYTES = 8
 _DIGEST = 8  # bytes per chain entry (policy.prefix_index.hash_chain)
 _HEAD = struct.Struct("!BH")  # engine name length, chain entries (a chain record)
 _PENDING = struct.Struct("!Bd")  # engine name length, queued prefill tokens (+/-)
-_CHAIN, _QUEUED = b"c", b"p"
+_LOAD = struct.Struct("!Bqddd")  # engine name length, pool blocks, usage, waiting, running (NaN)
+_CHAIN, _QUEUED, _LOADED = b"c", b"p", b"l"
 
-# one record: a chain placed on an engine, or a change of the prefill queued at an engine
-Record = tuple[str, Sequence[bytes] | float]
+# one record: a chain placed on an engine, a change of the prefill queued at an engine, or the
+# load its lease holder read from its metrics
+Record = tuple[str, Sequence[bytes] | float | EngineLoad]
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _none(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def encode(origin: bytes, records: Sequence[Record]) -> bytes:
@@ -45,6 +60,9 @@ def encode(origin: bytes, records: Sequence[Record]) -> bytes:
         name = engine.encode()[:255]
         if isinstance(what, float):
             parts += [_QUEUED, _PENDING.pack(len(name), what), name]
+        elif isinstance(what, EngineLoad):
+            fields = (_nan(what.kv_cache_usage), _nan(what.waiting), _nan(what.running))
+            parts += [_LOADED, _LOAD.pack(len(name), what.pool_blocks, *fields), name]
         else:
             parts += [_CHAIN, _HEAD.pack(len(name), len(what)), name, *what]
     return b"".join(parts)
@@ -56,23 +74,26 @@ def decode(payload: bytes) -> tuple[bytes, list[Record]]:
     out: list[Record] = []
     while pos < len(payload):
         kind = payload[pos : pos + 1]
-        head = _HEAD if kind == _CHAIN else _PENDING if kind == _QUEUED else None
+        head = {_CHAIN: _HEAD, _QUEUED: _PENDING, _LOADED: _LOAD}.get(kind)
         if head is None:
             raise ValueError(f"unknown prefix-share record {kind!r}")
         pos += 1
         if pos + head.size > len(payload):
             raise ValueError("truncated prefix-share record")
-        n_name, value = head.unpack_from(payload, pos)
+        n_name, *values = head.unpack_from(payload, pos)
         pos += head.size
-        end = pos + n_name + (value * _DIGEST if head is _HEAD else 0)
+        end = pos + n_name + (values[0] * _DIGEST if head is _HEAD else 0)
         if end > len(payload):
             raise ValueError("truncated prefix-share record")
         engine = payload[pos : pos + n_name].decode()
         pos += n_name
         if head is _HEAD:
             out.append((engine, [payload[i : i + _DIGEST] for i in range(pos, end, _DIGEST)]))
+        elif head is _PENDING:
+            out.append((engine, float(values[0])))
         else:
-            out.append((engine, float(value)))
+            pool, usage, waiting, running = values
+            out.append((engine, EngineLoad(pool, _none(usage), _none(waiting), _none(running))))
         pos = end
     return origin, out
 
@@ -101,6 +122,8 @@ class PrefixShare:
         self._flushing: asyncio.Task[None] | None = None
         self._listening: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
+        # where another process's reading of an engine's load goes (set by the app)
+        self.on_load: Callable[[str, EngineLoad], None] | None = None
 
     def placed(self, engine: str, chain: Sequence[bytes]) -> None:
         """``chain`` was sent to ``engine`` by this process: tell the others (soon, batched)."""
@@ -109,6 +132,10 @@ class PrefixShare:
     def queued(self, engine: str, tokens: float) -> None:
         """This process queued (``tokens`` > 0) or saw start (< 0) prefill at ``engine``."""
         self._publish((engine, float(tokens)))
+
+    def loaded(self, engine: str, load: EngineLoad) -> None:
+        """This process scraped ``engine``'s metrics (it holds its lease): tell the others."""
+        self._publish((engine, load))
 
     def others_queued(self, engine: str) -> float:
         """Prefill tokens the other live processes have queued at ``engine``."""
@@ -182,6 +209,9 @@ class PrefixShare:
                 continue
             if isinstance(what, float):
                 queued[engine] = max(0.0, queued.get(engine, 0.0) + what)
+            elif isinstance(what, EngineLoad):
+                if self.on_load is not None:
+                    self.on_load(engine, what)
             else:
                 self.index.insert(engine, what)
                 self.applied += 1

@@ -102,6 +102,7 @@ class EngineSignals:
         self.tap = HorizonTap(self.index, self.estimator)
         self.subscription: EventSubscription | None = None
         self.load: EngineLoad | None = None
+        self.on_scraped: Callable[[str, EngineLoad], None] | None = None  # a reading to share
         self.overhead = OverheadBudget()  # what touches and warm-ups may still recompute here
         self.last_scrape = 0.0
         self.horizon_s = math.inf
@@ -192,6 +193,14 @@ class EngineSignals:
                 waiting=m.waiting,
                 running=m.running,
             )
+            if self.on_scraped is not None:  # the other workers and replicas read it too
+                self.on_scraped(self.name, self.load)
+
+    def shared_load(self, load: EngineLoad) -> None:
+        """The load another process scraped (it holds this engine's lease); kept unless this
+        process scraped lately itself."""
+        if time.time() - self.last_scrape > 2 * SCRAPE_EVERY_S:
+            self.load = load
 
     async def fresh_load(self, max_age_s: float = 0.5) -> EngineLoad | None:
         """The engine's load, scraped again when the last reading is older than ``max_age_s``."""

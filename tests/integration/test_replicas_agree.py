@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from policy.budget import EngineLoad
 from proxy.prefix_share import Record, decode, encode
 from proxy.runtime import RUNTIME
 from tests.helpers.fake_engine import FakeEngine
@@ -68,7 +69,13 @@ async def test_two_replicas_place_the_same_prompt_on_the_same_engine(
 
 def test_share_message_round_trips_and_rejects_truncation() -> None:
     chain = [bytes([i]) * 8 for i in range(3)]
-    records: list[Record] = [("http://e0:1", chain), ("e1", 512.0), ("e1", chain[:1]), ("e0", -8.5)]
+    records: list[Record] = [
+        ("http://e0:1", chain),
+        ("e1", 512.0),
+        ("e1", chain[:1]),
+        ("e0", -8.5),
+        ("e0", EngineLoad(pool_blocks=2048, kv_cache_usage=None, waiting=1.0, running=None)),
+    ]
     assert decode(encode(b"origin01", records)) == (b"origin01", records)
     with pytest.raises(ValueError, match="truncated"):
         decode(encode(b"origin01", records)[:-3])
@@ -99,3 +106,13 @@ async def test_queued_prefill_of_another_replica_counts(
             share_a.queued(name, -900.0)
             assert await wait_for(lambda: counted(0.0), within=5, step=0.01)
             assert share_a.others_queued(name) == 0.0  # its own queue is not counted twice
+            # the load the lease holder scraped reaches the other process's engine signals
+            load = EngineLoad(pool_blocks=1057, kv_cache_usage=0.5, waiting=None, running=3.0)
+            share_a.loaded(name, load)
+            engine_b = b.client.app[RUNTIME].pool.by_name[name]
+
+            async def loaded() -> bool:
+                return bool(engine_b.signals.load == load)
+
+            assert await wait_for(loaded, within=5, step=0.01)
+            assert engine_b.signals.pool_tokens() == 1057 * engine_b.signals.block_size

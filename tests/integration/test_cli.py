@@ -231,7 +231,7 @@ def test_help_texts_name_defaults_and_version(capsys: pytest.CaptureFixture[str]
 
 
 def test_engines_table_shows_the_hash_check_and_tier_pins() -> None:
-    from proxy.sessions_cli import engine_rows
+    from proxy.sessions_format import engine_rows
 
     row = {
         "name": "e0",

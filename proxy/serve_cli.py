@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import errno
-import gc
-import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from proxy.logs import configure_logging
+from proxy.serving import listening_line, reason, serve, worker_main
 from proxy.settings import ConfigError, Settings, load_settings
 from proxy.workers import Supervisor, probe_port, worker_count
-
-log = logging.getLogger("kvkeeper.serve")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -95,13 +87,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, **overrides)
 
 
-async def _freeze_startup_objects(app: web.Application) -> None:
-    """Move everything built at start-up out of the collector's reach: full collections then
-    only walk what requests allocate, which shortens the pauses they add to the data plane."""
-    gc.collect()
-    gc.freeze()
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -117,73 +102,11 @@ def run(args: argparse.Namespace) -> int:
         probe_port(settings.host, settings.port)
     except OSError as exc:
         where = f"http://{settings.host}:{settings.port}"
-        print(f"kvkeeper serve: error: cannot listen on {where}: {_reason(exc)}", file=sys.stderr)
+        print(f"kvkeeper serve: error: cannot listen on {where}: {reason(exc)}", file=sys.stderr)
         return 1
     return Supervisor(
-        settings, count, lambda: print(f"{_listening(settings)} ({count} workers)", flush=True)
+        settings,
+        count,
+        lambda: print(f"{listening_line(settings)} ({count} workers)", flush=True),
+        worker_main,
     ).run()
-
-
-def _listening(settings: Settings) -> str:
-    engines = ", ".join(e.url for e in settings.engines)
-    return f"kvkeeper listening on http://{settings.host}:{settings.port} -> {engines}"
-
-
-def serve(
-    settings: Settings, *, reuse_port: bool = False, on_ready: Callable[[], None] | None = None
-) -> int:
-    """Serve until a signal; one process. ``reuse_port`` for a worker sharing the port (which
-    then calls ``on_ready`` once it listens instead of printing the address)."""
-    try:
-        from proxy.app import create_app, server_options
-
-        app = create_app(settings)
-    except ConfigError as exc:
-        print(f"kvkeeper serve: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level, settings.log_format, access_log=settings.access_log)
-    app.on_startup.append(_freeze_startup_objects)
-    where = f"http://{settings.host}:{settings.port}"
-
-    def listening(_: object) -> None:  # called once the socket is bound (after start-up)
-        if on_ready is not None:
-            on_ready()
-        else:
-            print(_listening(settings), flush=True)
-
-    try:  # uvloop: a faster event loop where available (Linux, macOS)
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
-    try:
-        web.run_app(
-            app,
-            host=settings.host,
-            port=settings.port,
-            reuse_port=reuse_port or None,
-            handler_cancellation=True,  # a client that goes away cancels its upstream request
-            **server_options(settings),
-            access_log=None,  # proxy/access.py logs every request instead
-            print=listening,
-        )
-    except OSError as exc:  # the port is taken, the address is not ours ...
-        log.debug("start-up failed", exc_info=True)
-        print(f"kvkeeper serve: error: cannot listen on {where}: {_reason(exc)}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # Redis, an engine spec ...: one line, the traceback at DEBUG
-        log.debug("start-up failed", exc_info=True)
-        print(f"kvkeeper serve: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _reason(exc: OSError) -> str:
-    if exc.errno == errno.EADDRINUSE:
-        return "address already in use (another process listens on that port)"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return "address not available on this machine"
-    if exc.errno == errno.EACCES:
-        return "permission denied (ports below 1024 need privileges)"
-    return exc.strerror or str(exc)

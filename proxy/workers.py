@@ -52,19 +52,19 @@ def probe_port(host: str, port: int) -> None:
         sock.bind((host, port))
 
 
-def _worker(dump: dict[str, Any], ready: MPEvent) -> None:
-    """One worker process: the settings the parent resolved, served on the shared port."""
-    from proxy.serve_cli import serve
-
-    settings = Settings(**dump)
-    raise SystemExit(serve(settings, reuse_port=True, on_ready=ready.set))
+# a worker process's entry: (the settings the parent resolved, dumped; the event to set once it
+# listens). A module-level function, so a spawned interpreter can import it.
+WorkerEntry = Callable[[dict[str, Any], MPEvent], None]
 
 
 class Supervisor:
     """Starts the workers, restarts one that dies after start-up, stops them all on a signal."""
 
-    def __init__(self, settings: Settings, count: int, announce: Callable[[], None]) -> None:
+    def __init__(
+        self, settings: Settings, count: int, announce: Callable[[], None], entry: WorkerEntry
+    ) -> None:
         self.settings = settings
+        self.entry = entry
         self.count = count
         self.announce = announce
         self.ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no inherited loop
@@ -73,7 +73,7 @@ class Supervisor:
 
     def _start(self, dump: dict[str, Any]) -> tuple[SpawnProcess, MPEvent]:
         ready = self.ctx.Event()
-        proc = self.ctx.Process(target=_worker, args=(dump, ready), name="kvkeeper-worker")
+        proc = self.ctx.Process(target=self.entry, args=(dump, ready), name="kvkeeper-worker")
         proc.start()
         return proc, ready
 

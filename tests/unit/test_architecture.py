@@ -65,21 +65,9 @@ def test_no_proxy_module_is_over_the_line_limit(path: Path) -> None:
     assert lines <= MAX_LINES, f"{rel}: {lines} lines"
 
 
-# cycles other work owns, until it breaks them
-KNOWN_CYCLES = {
-    frozenset({"proxy.serve_cli", "proxy.workers"}): "a worker's entry imports serve lazily",
-    frozenset({"proxy.app", "proxy.workers", "proxy.serve_cli"}): "a worker's entry imports the "
-    "app lazily",
-}
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles(package: str) -> None:
-    cycles = _cycles(package)
-    known = [c for c in cycles if frozenset(c) in KNOWN_CYCLES]
-    assert [c for c in cycles if c not in known] == []
-    if known:
-        pytest.xfail("; ".join(KNOWN_CYCLES[frozenset(c)] for c in known))
+    assert _cycles(package) == []
 
 
 def test_policy_does_no_io() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -122,11 +123,32 @@ async def test_two_workers_share_port_requests_lease_and_metrics(
                 await asyncio.sleep(4.0)
                 for e in (a, b):
                     assert _scrapes(e) - before[e.name] <= 3, (e.name, _scrapes(e))
+                # a worker killed -9 is replaced; once it is gone (the connections queued on its
+                # socket go with it) the other worker answers everything meanwhile
+                workers = _children(proc.pid)
+                assert len(workers) == 2, workers
+                os.kill(workers[0], signal.SIGKILL)
+                await asyncio.sleep(0.5)
+                statuses = await asyncio.gather(*(one() for _ in range(50)))
+                assert statuses.count(200) == 50
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    now = _children(proc.pid)
+                    if len(now) == 2 and workers[0] not in now:
+                        break
+                    await asyncio.sleep(0.2)
+                assert len(now) == 2 and workers[0] not in now, now
         finally:
             proc.terminate()
             _, err = await asyncio.to_thread(proc.communicate, timeout=30)
         assert proc.returncode == 0, err[-2000:]
         assert "Traceback" not in err, err[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    """The worker processes of the supervisor ``pid`` (its live children)."""
+    raw = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in raw if Path(f"/proc/{c}/cmdline").read_bytes().find(b"spawn") >= 0]
 
 
 class ScrapedEngine(FakeEngine):

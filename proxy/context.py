@@ -2,9 +2,8 @@
 
 Blob layout: a 4-byte magic + one JSON header line (route, breakpoint) + the compressed request
 body. ``KVK2`` bodies are LZ4 blocks: every hinted request's context is re-encoded when it
-finishes, and LZ4 compresses an agent-sized prompt about 6x faster than zlib at its fastest level
-(9 against 62 µs for 16 KB, about the same ratio). ``KVK1`` (zlib) blobs written by earlier
-versions are still read.
+finishes, and LZ4 compresses an agent-sized prompt several times faster than zlib at its fastest
+level, at about the same ratio. ``KVK1`` (zlib) blobs written by earlier versions are still read.
 """
 
 from __future__ import annotations

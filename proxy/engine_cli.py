@@ -35,8 +35,8 @@ def engine_home() -> Path:
     return Path(base) / "engine"
 
 
-# CPU flags with native bf16 matmuls; without them vLLM's CPU backend emulates bf16: a
-# 2,000-token prefill took 51 s in bfloat16 and 10 s in float32 on an AVX2-only EPYC
+# CPU flags with native bf16 matmuls; without them vLLM's CPU backend emulates bf16, several
+# times slower than float32
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 

@@ -1,8 +1,9 @@
 """Every hint dialect becomes one :class:`Hint`; hint fields are stripped before the engine.
 
-Dialects (DESIGN.md section 3), strongest first when they disagree:
+Dialects, strongest first when they disagree:
 
-* ``agent_hint`` body field, the RFC schema (seeds/000): session, parent, cache_control, edits;
+* ``agent_hint`` body field, the session-aware KV cache hints RFC's schema: session, parent,
+  cache_control, edits;
 * headers ``X-Session-Id``, ``X-Parent-Session-Id``, ``X-Agent-Name``, ``X-Cache-TTL``;
 * OpenAI ``prompt_cache_key`` (session key) + ``prompt_cache_retention`` (``in_memory``|``24h``);
 * Anthropic ``cache_control`` breakpoints on ``tools``/``system``/``messages`` blocks (/v1/messages).
@@ -37,7 +38,7 @@ EditType = Literal["offload", "prefetch", "evict"]
 Retention = Literal["default", "extended"]
 
 
-# --- the RFC schema (seeds/000), strict: no coercion of "300" or true into numbers ---------------
+# --- the hints RFC's schema, strict: no coercion of "300" or true into numbers -----------------
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 

@@ -1,4 +1,4 @@
-"""Retention beyond what the GPU should hold, kept in the engine's offload tier (seeds/003).
+"""Retention beyond what the GPU should hold, kept in the engine's offload tier.
 
 A request that asks for more than ``limits.max_ttl_s`` (``prompt_cache_retention: "24h"``, or a
 TTL over the cap) keeps GPU protection up to the cap, as any other; the rest is realized in the

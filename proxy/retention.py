@@ -209,8 +209,7 @@ class Retention:
         blocks: dict[SessionKey, tuple[int, ...]] = {}
         for s in sessions:
             # the loop is the data plane's too: requests waiting for it wait for one session's
-            # block ids (a context decoded and hashed, ~ms per 100K tokens), not for the tick
-            # (under CPU contention ticks took 200 ms and every request arriving in one waited)
+            # block ids (a context decoded and hashed), not for the whole tick
             await asyncio.sleep(0)
             blocks[key_of(s)] = await self.blocks.blocks_of(key_of(s), s, active_s=RELEARN_IDLE_S)
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and

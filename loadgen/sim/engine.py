@@ -95,8 +95,8 @@ class SimRequest:
     finish_reason: str | None = None
     stored_to_cpu: bool = False
     # CPU-tier chunk keys of the first ``cpu_keys_for`` tokens: hashed once, not at every step
-    # the request waits at the head of the queue (hashing a 100K-token prompt takes ~5 ms of
-    # real time, which the simulator's clock would count as engine time)
+    # the request waits at the head of the queue (hashing a long prompt takes real time, which
+    # the simulator's clock would count as engine time)
     cpu_keys: list[str] = field(default_factory=list)
     cpu_keys_for: int = -1
 

@@ -1,10 +1,10 @@
-"""``cachescout``: the setting of CacheScout's evaluation (seeds/004), small and congested.
+"""``cachescout``: the setting of CacheScout's evaluation, small and congested.
 
 Six agents under one supervisor (LangGraph-supervisor style): every user session alternates a
 supervisor call (which picks the next agent, LLM-selected routing) with a call of the agent it
 picked, until the supervisor ends the session. Routing is Markov-like: the next agent depends on
 the one that just ran, through a seeded transition table whose rows have one dominant successor
-(``top_prob``; CacheScout measured 76-86% top-1 predictability online). Every agent's prompt
+(``top_prob``: in CacheScout's setting the next agent is mostly predictable). Every agent's prompt
 starts with its fixed context: system prompt, tool definitions and few-shot examples (three
 system segments), then the session's task and history. Blocks are 16 tokens, and with the
 defaults the largest request is ~93 blocks, the footprint CacheScout's capacity sweep starts

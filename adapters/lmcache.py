@@ -28,6 +28,7 @@ from adapters import wire
 from adapters.base import AdapterError, EngineRejected, EngineUnavailable
 
 TIERS = ("l1", "l2")
+DEFAULT_CHUNK_SIZE = 256  # LMCache's default, for a server that does not report its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class LMCacheConfig:
     model_name: str  # vLLM's --model value (LMCache keys carry it)
     world_size: int = 1
     cache_salt: str = ""  # default salt; calls may override (vLLM's request cache_salt)
-    chunk_size: int = 256
+    chunk_size: int | None = None  # tokens per chunk (None: as the MP server's /status says)
     timeout_s: float = 10.0
 
 
@@ -133,18 +134,31 @@ class LMCacheAdapter:
         self._http = session
         self.config = config
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+        self._chunk_size = config.chunk_size
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk: configured or learned from the server (else LMCache's default)."""
+        return self._chunk_size or DEFAULT_CHUNK_SIZE
+
+    async def chunk_tokens(self) -> int:
+        """Tokens per chunk, asking the MP server once when neither configured nor learned."""
+        if self._chunk_size is None:
+            await self.l1_status()
+        return self.chunk_size
 
     # -- OffloadTier --------------------------------------------------------------------------
 
     async def lookup(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
-        """Leading tokens stored in any tier: a multiple of the chunk size (256)."""
+        """Leading tokens stored in any tier: a multiple of the chunk size."""
+        chunk_size = await self.chunk_tokens()
         chunks = await self.chunks(token_ids, cache_salt=cache_salt)
         leading = 0
         for chunk in chunks:
             if not chunk.stored:
                 break
             leading += 1
-        return leading * self.config.chunk_size
+        return leading * chunk_size
 
     async def pin(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Pin the prefix's complete chunks against L2 eviction; returns chunks pinned.
@@ -309,6 +323,8 @@ class LMCacheAdapter:
     async def l1_status(self) -> L1Status:
         """The MP server's L1 occupancy (``GET /status``), summed over its L1 managers."""
         reply = await self._call("GET", self._server("/status"))
+        if self._chunk_size is None:
+            self._chunk_size = int(reply.get("chunk_size") or DEFAULT_CHUNK_SIZE)
         storage: dict[str, Any] = reply.get("storage_manager", {})
         # One entry per tagged L1 (DRAM, DEVDAX...); older servers report the single manager.
         managers: list[dict[str, Any]] = list(storage.get("l1_managers", {}).values()) or [
@@ -318,7 +334,7 @@ class LMCacheAdapter:
             objects=sum(int(m.get("total_object_count", 0)) for m in managers),
             used_bytes=sum(int(m.get("memory_used_bytes", 0)) for m in managers),
             total_bytes=sum(int(m.get("memory_total_bytes", 0)) for m in managers),
-            chunk_size=int(reply.get("chunk_size", self.config.chunk_size)),
+            chunk_size=int(reply.get("chunk_size", self.chunk_size)),
             l2_adapters=len(storage.get("l2_adapters", [])),
         )
 

@@ -42,7 +42,7 @@ from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.prefix_share import PrefixShare
-from proxy.retention import Retention
+from proxy.retention import MAX_CONCURRENT_TOUCHES, SAFETY_FRACTION, Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Limits, Settings
@@ -107,7 +107,6 @@ def build_retention(
                     coordinator_url=lmc.coordinator_url,
                     server_url=lmc.server_url,
                     model_name=lmc.model_name,
-                    chunk_size=lmc.chunk_size,
                 ),
             )
         states.append(EngineState(engine=engine, tier=tier))
@@ -119,8 +118,8 @@ def build_retention(
         anchors = AnchorKeeper(
             metrics,
             touches,
-            safety_fraction=r.safety_fraction,
-            max_touches=r.max_concurrent_touches,
+            safety_fraction=SAFETY_FRACTION,
+            max_touches=MAX_CONCURRENT_TOUCHES,
         )
     return Retention(
         store,
@@ -271,7 +270,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
                 load
             )
             rt.prefix_share.start()
-        app[RESPONSES] = ResponseMap(store, settings.response_ttl_s)
+        app[RESPONSES] = ResponseMap(store)
         health = asyncio.create_task(pool.health_loop(settings.health_interval_s))
         stopping = asyncio.Event()
         watching = asyncio.create_task(

@@ -35,6 +35,8 @@ from proxy.usage import UsageSniffer, ask_for_usage
 log = logging.getLogger("kvkeeper.forward")
 
 HINT_HEADER = "X-KVKeeper-Hint"
+# deadline slack per 1,000 prompt tokens the engine computes (admission order)
+SLACK_MS_PER_KTOK = 100.0
 _BUFFER_LIMIT = 1 << 20  # non-streamed bodies up to this size are relayed in one write
 
 
@@ -149,13 +151,12 @@ def _headers(rt: Runtime, out: Outbound, order: list[Engine]) -> CIMultiDict[str
         api_key=rt.settings.upstream.api_key,
         drop_auth=rt.tenants.multi_tenant,
     )
-    admission = rt.settings.admission
     # configured on, or (unset) the engine reported that it schedules by priority
     if adapter is None or not adapter.prioritized or adapter.priority_header is None:
         return headers
     if not _client_priority(out, adapter):
         cost = rt.placer.uncached_estimate(order[0], len(out.body), out.key)
-        slack_ms = admission_slack_ms(cost, admission.slack_ms_per_ktok)
+        slack_ms = admission_slack_ms(cost, SLACK_MS_PER_KTOK)
         headers[adapter.priority_header] = str(admission_priority(time.time(), slack_ms))
         rt.metrics.admission_slack.observe(slack_ms / 1000.0)
     return headers

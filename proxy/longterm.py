@@ -124,7 +124,7 @@ class LongRetention:
             if found is None:
                 return "no_recorded_context"
             tokens, salt = found
-            chunk = es.tier.config.chunk_size
+            chunk = await es.tier.chunk_tokens()
             if len(tokens) < chunk:
                 return "shorter_than_a_chunk"
             old = await self.store.long_pin(tenant, sid)

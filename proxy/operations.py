@@ -145,7 +145,7 @@ class SessionOps:
         tokens = await self._tokens(es, session, edit)
         if not tokens:
             return EditResult(edit, "rejected", "no_recorded_context")
-        chunk = es.tier.config.chunk_size
+        chunk = await es.tier.chunk_tokens()
         want = len(tokens) // chunk * chunk
         stored = await es.tier.lookup(tokens)
         touched = False

@@ -42,6 +42,8 @@ _PREVIOUS = re.compile(rb'"previous_response_id"\s*:\s*"([^"\\]{1,256})"')
 # routes whose body is in another dialect's shape than their path says
 _DIALECT_OF = {"/v1/messages/count_tokens": "/v1/messages"}
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+# how long the engine holding a Responses API id is remembered
+RESPONSE_TTL_S = 86_400.0
 _OWN_PREFIXES = ("/admin/", "/ui/")  # kvkeeper's own trees: never sent to an engine
 
 
@@ -53,7 +55,7 @@ class ResponseMap:
 
     RECENT = 10_000  # ids kept in memory
 
-    def __init__(self, store: SessionStore, ttl_s: float) -> None:
+    def __init__(self, store: SessionStore, ttl_s: float = RESPONSE_TTL_S) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self._recent: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()

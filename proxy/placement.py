@@ -34,6 +34,10 @@ from proxy.upstream import Engine, EnginePool
 
 PREFIX_CHUNK_BYTES = 1024  # prompt chunk of the prefix index (about 170-250 tokens)
 PREFIX_MAX_CHUNKS = 1024
+# a prompt token to compute costs this many queued ones: higher keeps prefixes where they are
+MISS_WEIGHT = 3.0
+# KV caches' worth of prompt chunks the prefix index remembers per engine
+INDEX_POOL_FACTOR = 1.0
 
 KnownBlocks = Callable[[SessionKey], tuple[int, ...]]  # a session's learned block ids, no I/O
 
@@ -66,7 +70,7 @@ class Placer:
         # per engine: uncached prompt tokens sent whose first byte has not come back
         self.prefill_pending: dict[str, float] = {}
         self._rr = itertools.count()
-        self._config = PrefixPlacementConfig(miss_weight=settings.miss_weight)
+        self._config = PrefixPlacementConfig(miss_weight=MISS_WEIGHT)
 
     def learn_size(self, body_bytes: int, prompt_tokens: int) -> None:
         """Calibrate the body-size estimate of a prompt's tokens from the engine's usage."""
@@ -126,11 +130,7 @@ class Placer:
     def _by_prompt(self, ranked: list[Engine], chain: Sequence[bytes]) -> list[Engine]:
         for e in ranked:  # the index remembers about what each engine's cache holds
             pool = e.signals.pool_tokens()
-            limit = (
-                int(self.settings.index_pool_factor * pool / self.chunk_tokens)
-                if pool is not None
-                else None
-            )
+            limit = int(INDEX_POOL_FACTOR * pool / self.chunk_tokens) if pool is not None else None
             if limit is not None and limit != self.prefixes.limit(e.name):
                 self.prefixes.set_limit(e.name, limit)
         decision = place_by_prefix(

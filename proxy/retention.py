@@ -52,6 +52,15 @@ log = logging.getLogger("kvkeeper.retention")
 RELEARN_IDLE_S = 1.0
 # without KV events and before the horizon is learned: touch protected sessions this often
 FALLBACK_TOUCH_INTERVAL_S = 30.0
+# touch a protected prefix once it has used this share of the LRU horizon (or fallen this share
+# of the free queue back); at most this many touches in flight per engine
+SAFETY_FRACTION = 0.5
+MAX_CONCURRENT_TOUCHES = 4
+# size of the per-engine overhead token bucket (starts full): the first touches before any
+# prompt tokens were served
+OVERHEAD_BURST_TOKENS = 4096
+# the Redis lease by which one proxy replica drives an engine's retention (takeover time)
+LEASE_TTL_S = 3.0
 
 
 def key_of(session: Session) -> SessionKey:
@@ -82,7 +91,7 @@ class Retention:
             es.signals.overhead = OverheadBudget(
                 OverheadConfig(
                     share=settings.max_overhead_share,
-                    burst_tokens=float(settings.overhead_burst_tokens),
+                    burst_tokens=float(OVERHEAD_BURST_TOKENS),
                 )
             )
         self.blocks = blocks or BlockCache(store, self.engines)
@@ -100,8 +109,8 @@ class Retention:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._keepalive = KeepaliveConfig(
-            safety_fraction=settings.safety_fraction,
-            max_concurrent_touches=settings.max_concurrent_touches,
+            safety_fraction=SAFETY_FRACTION,
+            max_concurrent_touches=MAX_CONCURRENT_TOUCHES,
             unknown_horizon_interval_s=FALLBACK_TOUCH_INTERVAL_S,
         )
 
@@ -168,7 +177,7 @@ class Retention:
     # --- the worker -----------------------------------------------------------------------------
     async def _run(self, es: EngineState) -> None:
         lease = f"engine:{es.name}"
-        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        ttl_ms = int(LEASE_TTL_S * 1000)
         while not self._stopping.is_set():
             try:
                 token = await self.store.lease(lease, self.holder, ttl_ms)
@@ -298,12 +307,12 @@ class Retention:
         """Sessions the allocation front has moved far past, whatever the time-based plan says.
 
         Counted in blocks, not seconds: a burst allocates blocks faster than any rate estimate
-        can follow, and ``safety_fraction`` of the free queue is the share a prefix may fall back.
+        can follow, and ``SAFETY_FRACTION`` of the free queue is the share a prefix may fall back.
         """
         signals = es.signals
         if signals.load is None or not signals.has_events:
             return set()
-        limit = self.settings.safety_fraction * signals.load.free_blocks
+        limit = SAFETY_FRACTION * signals.load.free_blocks
         return {
             key_of(s)
             for s in sessions

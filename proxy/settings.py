@@ -42,7 +42,6 @@ class OffloadTierSpec(BaseModel):
     coordinator_url: str = Field(description="LMCache coordinator HTTP API.")
     server_url: str = Field(description="LMCache MP server HTTP API.")
     model_name: str = Field(description="The engine's --model value: LMCache keys carry it.")
-    chunk_size: int = Field(default=256, gt=0, description="LMCache chunk size in tokens.")
 
 
 class EngineSpec(BaseModel):
@@ -93,11 +92,6 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body.")
-    max_inflight_body_bytes: int = Field(
-        default=512 * 1024 * 1024,
-        gt=0,
-        description="Request bodies in memory at once, all requests together (beyond: 503).",
-    )
     header_timeout_s: float = Field(
         default=15.0,
         gt=0,
@@ -105,7 +99,6 @@ class Limits(BaseModel):
         "long is closed (slowloris). It is also the keep-alive idle timeout: a load balancer "
         "that pools connections to kvkeeper must idle them out sooner.",
     )
-    body_timeout_s: float = Field(default=60.0, gt=0, description="The whole request body.")
     max_ttl_s: float = Field(
         default=3600.0, gt=0, description="Longest protection a hint may ask for."
     )
@@ -120,8 +113,10 @@ class Limits(BaseModel):
     max_sessions_per_tenant: int = Field(
         default=10_000, gt=0, description="Live sessions per tenant."
     )
-    max_children: int = Field(default=256, gt=0, description="Child sessions per session.")
     # fixed bounds (not settings)
+    max_inflight_body_bytes: ClassVar[int] = 512 * 1024 * 1024  # all bodies in memory (503)
+    body_timeout_s: ClassVar[float] = 60.0  # the whole request body (408)
+    max_children: ClassVar[int] = 256  # child sessions per session
     max_edits: ClassVar[int] = 16  # context edits per request
     max_context_bytes: ClassVar[int] = 4 * 1024 * 1024  # a recorded context, compressed
     max_session_id_len: ClassVar[int] = 256
@@ -152,12 +147,6 @@ class RetentionSettings(BaseModel):
 
     enabled: bool = Field(default=True, description="Run the retention worker at all.")
     tick_s: float = Field(default=0.5, gt=0, description="Seconds between retention ticks.")
-    safety_fraction: float = Field(
-        default=0.5, gt=0, le=1, description="Touch a prefix at this share of the LRU horizon."
-    )
-    max_concurrent_touches: int = Field(
-        default=4, gt=0, description="Touches in flight per engine."
-    )
     touch_deadline_s: float = Field(
         default=1.0,
         gt=0,
@@ -174,14 +163,6 @@ class RetentionSettings(BaseModel):
         gt=0,
         le=1,
         description="What touches and warm-ups may recompute, as a share of the prompt tokens served (null: unbounded).",
-    )
-    overhead_burst_tokens: int = Field(
-        default=4096, ge=0, description="Size of that overhead token bucket (starts full)."
-    )
-    lease_ttl_s: float = Field(
-        default=3.0,
-        gt=0,
-        description="Redis lease by which one proxy replica drives an engine's retention.",
     )
 
 
@@ -235,11 +216,6 @@ class AdmissionSettings(BaseModel):
         default=None,
         description="Stamp priorities (null: on for engines that report a priority scheduling policy).",
     )
-    slack_ms_per_ktok: float = Field(
-        default=100.0,
-        ge=0,
-        description="Deadline slack per 1,000 prompt tokens the engine computes.",
-    )
 
 
 class AnchorSettings(BaseModel):
@@ -255,16 +231,6 @@ class PlacementSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    miss_weight: float = Field(
-        default=3.0,
-        gt=0,
-        description="Cost of a prompt token to compute against one queued: higher keeps prefixes where they are.",
-    )
-    index_pool_factor: float = Field(
-        default=1.0,
-        gt=0,
-        description="KV caches' worth of prompt chunks the prefix index remembers per engine.",
-    )
     share: bool = Field(
         default=True,
         description="Share the prefix index with the other replicas and workers (Redis pub/sub).",
@@ -297,11 +263,6 @@ class Settings(BaseSettings):
     namespace: str = Field(default="kvk", description="Prefix of every Redis key.")
     health_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between health checks."
-    )
-    response_ttl_s: float = Field(
-        default=86_400.0,
-        gt=0,
-        description="How long the engine holding a Responses API id is remembered.",
     )
     limits: Limits = Field(default_factory=Limits)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)

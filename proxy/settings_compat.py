@@ -8,7 +8,6 @@ from typing import Any
 LEGACY_RETENTION_KEYS: dict[str, tuple[str, str]] = {
     "tier_pin_share": ("tier", "pin_share"),
     "admission_priority": ("admission", "enabled"),
-    "priority_slack_ms_per_ktok": ("admission", "slack_ms_per_ktok"),
     "anchors": ("anchors", "enabled"),
     "block_size": ("cache", "block_size"),
     "hash_seed": ("cache", "hash_seed"),
@@ -42,8 +41,23 @@ RETIRED_KEYS = frozenset(
         "upstream.total_timeout_s",
         "upstream.max_connections",
         "upstream.max_connections_per_engine",
+        # fixed since issue 24: knobs nobody should need to tune, now constants by their code
+        "retention.safety_fraction",
+        "retention.max_concurrent_touches",
+        "retention.overhead_burst_tokens",
+        "retention.lease_ttl_s",
+        "retention.priority_slack_ms_per_ktok",
+        "admission.slack_ms_per_ktok",
+        "placement.miss_weight",
+        "placement.index_pool_factor",
+        "limits.max_inflight_body_bytes",
+        "limits.body_timeout_s",
+        "limits.max_children",
+        "response_ttl_s",
+        "engines[].lmcache.chunk_size",
     }
 )
+_GROUPS = ("retention", "upstream", "limits", "admission", "placement")
 
 
 def migrate(data: Any) -> Any:
@@ -51,13 +65,21 @@ def migrate(data: Any) -> Any:
     if not isinstance(data, dict):
         return data
     out = dict(data)
-    for group in ("retention", "upstream", "limits"):
+    named = [k for k in out if k in RETIRED_KEYS]
+    for group in _GROUPS:
         section = out.get(group)
-        if not isinstance(section, dict):
-            continue
-        retired = sorted(k for k in section if f"{group}.{k}" in RETIRED_KEYS)
-        if retired:
-            raise ValueError(f"retired setting(s) {', '.join(f'{group}.{k}' for k in retired)}")
+        if isinstance(section, dict):
+            named += [f"{group}.{k}" for k in section if f"{group}.{k}" in RETIRED_KEYS]
+    engines = out.get("engines")
+    for engine in engines if isinstance(engines, list) else []:
+        tier = engine.get("lmcache") if isinstance(engine, dict) else None
+        if isinstance(tier, dict) and "chunk_size" in tier:
+            named.append("engines[].lmcache.chunk_size")
+    if named:
+        raise ValueError(
+            f"retired setting(s) {', '.join(sorted(set(named)))}: no longer settable (fixed in "
+            "the code or read from the engine); remove from the config"
+        )
     retention = out.get("retention")
     if isinstance(retention, dict) and set(retention) & set(LEGACY_RETENTION_KEYS):
         retention = dict(retention)

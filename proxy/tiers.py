@@ -139,7 +139,7 @@ class TierKeeper:
         by_key = {SessionKey(s.tenant, s.session_id): s for s in sessions}
         capacity = await self._capacity(tier, st, now)
         if capacity is not None:
-            chunk = tier.config.chunk_size
+            chunk = tier.chunk_size
             bs = es.signals.block_size
             candidates = [
                 PinCandidate(
@@ -163,7 +163,7 @@ class TierKeeper:
             if sk in by_key
             and pin.version == by_key[sk].last_used
             and pin.chunks > 0
-            and pin.stored >= pin.chunks * tier.config.chunk_size
+            and pin.stored >= pin.chunks * tier.chunk_size
         }
 
     async def release(self, es: EngineState) -> None:
@@ -306,10 +306,11 @@ class TierKeeper:
         """Pin ``tokens`` (a session's recorded context, an anchor); None when the tier failed."""
         try:
             await tier.pin(tokens, cache_salt=salt)
+            chunk = await tier.chunk_tokens()
         except _TIER_ERRORS as exc:
             log.warning("tier pin of %s failed: %s", sk[1], exc)
             return None
-        pin = _Pin(version, tokens, salt, len(tokens) // tier.config.chunk_size, 0)
+        pin = _Pin(version, tokens, salt, len(tokens) // chunk, 0)
         try:
             pin.stored = await tier.lookup(tokens, cache_salt=salt)
         except _TIER_ERRORS as exc:  # pinned, but not known to be stored: touches go on

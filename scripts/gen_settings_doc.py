@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from proxy.settings import Settings
-from proxy.settings_compat import LEGACY_RETENTION_KEYS
+from proxy.settings_compat import LEGACY_RETENTION_KEYS, RETIRED_KEYS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
@@ -101,6 +101,12 @@ def render() -> str:
         f"- `retention.{old}` -> `{group}.{new}`\n"
         for old, (group, new) in LEGACY_RETENTION_KEYS.items()
     )
+    out.append(
+        "\n## Retired names\n\nRefused with a one-line error naming them: features that measured"
+        " no gain, and knobs now fixed in the code (module constants beside it) or read from the"
+        " engine:\n\n"
+    )
+    out.extend(f"- `{name}`\n" for name in sorted(RETIRED_KEYS))
     return "".join(out)
 
 

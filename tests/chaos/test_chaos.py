@@ -136,7 +136,7 @@ async def rig() -> AsyncIterator[Rig]:
                 "admin_token": ADMIN,
                 "health_interval_s": 1.0,
                 "log_level": "WARNING",
-                "retention": {"tick_s": 0.2, "lease_ttl_s": 1.0},
+                "retention": {"tick_s": 0.2},
             }
             config = base / f"kvkeeper-{i}.yaml"
             config.write_text(yaml.safe_dump(doc))

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from proxy.settings import Limits
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.redis_server import RedisServer
 from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
@@ -161,9 +162,12 @@ async def test_engine_failing_mid_stream_ends_the_stream_cleanly(
             assert b'"code":"engine_failed"' in answer
 
 
-async def test_body_size_and_read_timeouts(redis_server: RedisServer, namespace: str) -> None:
+async def test_body_size_and_read_timeouts(
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Limits, "body_timeout_s", 0.5)
     async with proxy_stack(
-        redis_server.url, namespace, max_body_bytes=4096, header_timeout_s=0.5, body_timeout_s=0.5
+        redis_server.url, namespace, max_body_bytes=4096, header_timeout_s=0.5
     ) as st:
         loop = asyncio.get_running_loop()
         # a declared size over the cap: 413 at once, the body never read (nor sent here)
@@ -205,10 +209,11 @@ async def test_body_size_and_read_timeouts(redis_server: RedisServer, namespace:
         assert resp.status == 200
 
 
-async def test_inflight_body_budget(redis_server: RedisServer, namespace: str) -> None:
-    async with proxy_stack(
-        redis_server.url, namespace, max_body_bytes=4096, max_inflight_body_bytes=6000
-    ) as st:
+async def test_inflight_body_budget(
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Limits, "max_inflight_body_bytes", 6000)
+    async with proxy_stack(redis_server.url, namespace, max_body_bytes=4096) as st:
         # one body half sent holds 4000 bytes of the budget: a second one does not fit
         _, writer = await asyncio.open_connection(st.client.host, st.client.port)
         writer.write(

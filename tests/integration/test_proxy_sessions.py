@@ -6,8 +6,10 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
+from proxy.settings import Limits
 from tests.helpers.redis_server import RedisServer
 from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
 
@@ -189,11 +191,10 @@ async def test_tenant_isolation(redis_server: RedisServer, namespace: str, tmp_p
 
 
 async def test_bounds_reject_hint_but_forward_request(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with proxy_stack(
-        redis_server.url, namespace, max_sessions_per_tenant=2, max_children=1
-    ) as st:
+    monkeypatch.setattr(Limits, "max_children", 1)
+    async with proxy_stack(redis_server.url, namespace, max_sessions_per_tenant=2) as st:
         for sid in ("s1", "s2"):
             assert (await _chat(st, {**CHAT, "agent_hint": {"session_id": sid}})).headers[
                 "X-KVKeeper-Hint"

@@ -10,6 +10,8 @@ import aiohttp
 import pytest
 
 import proxy.block_cache
+import proxy.forward
+import proxy.retention
 from adapters.base import AdapterError
 from policy.guard import GuardConfig
 from proxy.block_cache import PRUNE_EVERY_S
@@ -139,9 +141,10 @@ async def test_budget_caps_protection(redis_server: RedisServer, namespace: str)
 
 
 async def test_two_replicas_never_both_drive_and_hand_over(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with sim_stack(redis_server.url, namespace, replicas=2, lease_ttl_s=1.0) as st:
+    monkeypatch.setattr(proxy.retention, "LEASE_TTL_S", 1.0)  # a quicker hand-over
+    async with sim_stack(redis_server.url, namespace, replicas=2) as st:
 
         def token(i: int) -> int:
             return next(iter(st.runtime(i).retention.engines.values())).leader_token
@@ -218,16 +221,17 @@ async def test_evict_keeps_the_chunks_an_unrelated_session_starts_with(
 
 @pytest.mark.parametrize(("burst", "status"), [(64, "rejected"), (4096, "applied")])
 async def test_an_offload_that_must_re_prefill_spends_retention_credit(
-    redis_server: RedisServer, namespace: str, burst: int, status: str
+    redis_server: RedisServer,
+    namespace: str,
+    burst: int,
+    status: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Neither the GPU nor the (small) tier kept the session: storing it means re-prefilling
     its 63 blocks, which the retention credit must cover like a warm-up's."""
+    monkeypatch.setattr(proxy.retention, "OVERHEAD_BURST_TOKENS", burst)
     async with sim_stack(
-        redis_server.url,
-        namespace,
-        cpu_blocks=100,
-        max_overhead_share=1e-6,
-        overhead_burst_tokens=burst,
+        redis_server.url, namespace, cpu_blocks=100, max_overhead_share=1e-6
     ) as st:
         await st.complete(prompt(1), {"session_id": "w"})
         await _known_blocks(st, "w")
@@ -382,12 +386,13 @@ async def _warm_after_cold(st: SimStack) -> list[str]:
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
-    redis_server: RedisServer, namespace: str, policy: str
+    redis_server: RedisServer, namespace: str, policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine runs one sequence at a time; kvkeeper holds nothing back. Under the priority
     policy the warm session, sent last, runs right after the request that holds the engine;
     first come, first served (the engine ignores priorities) it runs last."""
     sim = {"scheduling_policy": policy, "max_num_seqs": 1}
+    monkeypatch.setattr(proxy.forward, "SLACK_MS_PER_KTOK", 10_000.0)
     async with sim_stack(
         redis_server.url,
         namespace,
@@ -395,7 +400,6 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
         speed=5,
         sim=sim,
         admission_priority=True,
-        priority_slack_ms_per_ktok=10_000,
     ) as st:
         done = await _warm_after_cold(st)
         assert await st.metric("kvkeeper_admission_slack_seconds_count") == 5  # every request
@@ -405,16 +409,14 @@ async def test_admission_priority_lets_a_resident_prefix_pass_the_engines_queue(
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 async def test_admission_priority_is_detected_from_the_engines_scheduling_policy(
-    redis_server: RedisServer, namespace: str, policy: str
+    redis_server: RedisServer, namespace: str, policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not configured, kvkeeper reads the engine's scheduling policy before it stamps: a
     priority-scheduled engine gets admission priorities (the warm session passes the queue),
     a first-come-first-served one gets none."""
     sim = {"scheduling_policy": policy, "max_num_seqs": 1}
-    async with sim_stack(
-        redis_server.url, namespace, num_blocks=400, speed=5, sim=sim,
-        priority_slack_ms_per_ktok=10_000,
-    ) as st:  # fmt: skip
+    monkeypatch.setattr(proxy.forward, "SLACK_MS_PER_KTOK", 10_000.0)
+    async with sim_stack(redis_server.url, namespace, num_blocks=400, speed=5, sim=sim) as st:
         _, es = _engine_state(st)
         assert await wait_for(lambda: _told(es)), "the engine's policy was never read"
         assert es.adapter.prioritized == (policy == "priority")
@@ -646,16 +648,19 @@ async def test_prefetch_waits_out_a_busy_engine(redis_server: RedisServer, names
 
 @pytest.mark.parametrize(("share", "burst"), [(0.01, 64), (1e-6, 0)])
 async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_tokens(
-    redis_server: RedisServer, namespace: str, share: float, burst: int
+    redis_server: RedisServer,
+    namespace: str,
+    share: float,
+    burst: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The overhead budget (``max_overhead_share``): at 1% of the prompt tokens served, in a
     64-token bucket, touches of a resident prefix (a token each) fit, and the protected session
     survives a flood; the re-prefill of an evicted session (31 blocks, about 1,000 tokens) does
     not fit, so its warm-up is declined. With no bucket and 0.0001% no touch fits: the
     protection lapses, and the clients' requests are served as ever."""
-    async with sim_stack(
-        redis_server.url, namespace, max_overhead_share=share, overhead_burst_tokens=burst
-    ) as st:
+    monkeypatch.setattr(proxy.retention, "OVERHEAD_BURST_TOKENS", burst)
+    async with sim_stack(redis_server.url, namespace, max_overhead_share=share) as st:
         served = (
             await st.complete(prompt(1), {"session_id": "kept", "cache_control": {"ttl": 300}})
         )["usage"]["prompt_tokens"]
@@ -695,13 +700,12 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
 
 
 async def test_traffic_that_reached_the_engine_another_way_earns_retention_credit(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The credit follows the engine's own prefix-cache query counter, so traffic another
     kvkeeper replica (or any client) sent the engine counts too, less retention's own."""
-    async with sim_stack(
-        redis_server.url, namespace, max_overhead_share=0.01, overhead_burst_tokens=10**6
-    ) as st:
+    monkeypatch.setattr(proxy.retention, "OVERHEAD_BURST_TOKENS", 10**6)
+    async with sim_stack(redis_server.url, namespace, max_overhead_share=0.01) as st:
         _, es = _engine_state(st)
 
         async def read() -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+import proxy.placement
 from loadgen.sim import SimConfig, run_simulator
 from policy.prefix_index import hash_chain
 from proxy.app import create_app
@@ -115,14 +116,15 @@ async def test_sessions_stay_children_follow_and_unhinted_spread(
 
 
 async def test_a_busy_replica_passes_a_shared_prefix_to_the_idle_one(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Placement weighs a replica's queued prefill against the prefix it holds: requests that
     share a prefix follow it while its replica keeps up, and go to the other replica (which
     then holds the prefix too) when the queue there outweighs what the prefix saves."""
     async with AsyncExitStack() as stack:
         # a queued token weighs as much as a cached one (the default values the cache 3x)
-        client = await two_replicas(stack, redis_server, namespace, placement={"miss_weight": 1.0})
+        monkeypatch.setattr(proxy.placement, "MISS_WEIGHT", 1.0)
+        client = await two_replicas(stack, redis_server, namespace)
 
         def send(tokens: list[int]) -> Awaitable[str]:
             return placed(client, tokens)
@@ -167,21 +169,15 @@ async def test_the_prefix_index_holds_no_more_than_each_replica_caches(
 
 
 async def test_the_prefix_index_can_remember_several_caches_worth(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``placement.index_pool_factor`` 4: the index remembers four caches' worth of prompts per
+    """``INDEX_POOL_FACTOR`` 4: the index remembers four caches' worth of prompts per
     replica, so a conversation whose context the engine may have partly kept stays where it
     was (vllm-router's never-forgetting tree does the same); the same 15 prompts that pushed
     the first out of a 1x index leave it claimed."""
+    monkeypatch.setattr(proxy.placement, "INDEX_POOL_FACTOR", 4.0)
     async with AsyncExitStack() as stack:
-        client = await two_replicas(
-            stack,
-            redis_server,
-            namespace,
-            num_blocks=300,
-            placement={"index_pool_factor": 4.0},
-            tick_s=0.05,
-        )
+        client = await two_replicas(stack, redis_server, namespace, num_blocks=300, tick_s=0.05)
         rt, names = await _pools_known(client)
         first = prompt(1)
         home = await placed(client, first)

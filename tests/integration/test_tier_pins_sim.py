@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import proxy.retention
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import cached, prompt, sim_stack, wait_for
 
@@ -120,14 +121,13 @@ def _held(pinned: dict[str, int | None]) -> tuple[int | None, int | None]:
 
 
 async def test_pins_a_crashed_replica_left_are_adopted_and_released_by_the_next(
-    redis_server: RedisServer, namespace: str
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """LMCache pins have no TTL. The replica driving retention crashes holding a pin; the one
     that takes over its lease finds the pin in the Redis ledger and releases it when the
     session no longer needs it, as if it had pinned it itself."""
-    async with sim_stack(
-        redis_server.url, namespace, replicas=2, lease_ttl_s=1.0, tier_pin_share=0.5, **RIG
-    ) as st:
+    monkeypatch.setattr(proxy.retention, "LEASE_TTL_S", 1.0)  # a quicker takeover
+    async with sim_stack(redis_server.url, namespace, replicas=2, tier_pin_share=0.5, **RIG) as st:
         tier = _tier(st)
         pins = _pinned_once(tier)
         await st.complete(prompt(1), {"session_id": "w", "cache_control": TTL_HINT})

@@ -51,7 +51,6 @@ async def rig(
         "coordinator_url": stack.coordinator_url,
         "server_url": stack.server_url,
         "model_name": lmcache_vllm.model_dir,  # LMCache keys carry vLLM's --model, not its name
-        "chunk_size": CHUNK_SIZE,
     }
     spec = {"url": lmcache_vllm.url, "lmcache": tier}
     async with (
@@ -143,7 +142,6 @@ async def test_a_protected_session_is_pinned_in_lmcache_until_its_protection_end
         "coordinator_url": stack.coordinator_url,
         "server_url": stack.server_url,
         "model_name": lmcache_vllm.model_dir,
-        "chunk_size": CHUNK_SIZE,
     }
     spec = {"url": lmcache_vllm.url, "lmcache": tier}
     config = LMCacheConfig(stack.coordinator_url, stack.server_url, lmcache_vllm.model_dir)

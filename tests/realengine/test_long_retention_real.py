@@ -81,7 +81,6 @@ async def test_a_24h_session_flooded_out_of_gpu_and_l1_loads_from_l2(
         "coordinator_url": stack.coordinator_url,
         "server_url": stack.server_url,
         "model_name": lmcache_vllm.model_dir,
-        "chunk_size": CHUNK_SIZE,
     }
     spec = {"url": lmcache_vllm.url, "lmcache": tier}
     config = LMCacheConfig(stack.coordinator_url, stack.server_url, lmcache_vllm.model_dir)

@@ -559,7 +559,6 @@ def test_chart_external_engines_and_redis() -> None:
         "coordinator_url": "http://engine-a:9300",
         "server_url": "http://engine-a:9280",
         "model_name": "m",
-        "chunk_size": 256,
     }
 
 

@@ -48,9 +48,13 @@ def admin_route(fn: AdminHandler) -> Callable[[web.Request], Awaitable[web.Respo
     return handler
 
 
-def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+def int_query(
+    request: web.Request, name: str, default: int, lo: int, hi: int, *, blank_ok: bool = False
+) -> int:
+    """Query parameter ``name`` as an integer in [lo, hi], ``default`` when absent (or empty,
+    with ``blank_ok``); a clear 400 otherwise."""
     raw = request.query.get(name)
-    if raw is None:
+    if raw is None or (blank_ok and raw == ""):
         return default
     try:
         value = int(raw)
@@ -68,7 +72,7 @@ async def list_sessions(
     state = request.query.get("state")
     if state is not None and state not in STATES:
         raise BadRequest(f"state must be one of {', '.join(STATES)}", param="state")
-    limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+    limit = int_query(request, "limit", 50, 1, MAX_PAGE)
     cursor = request.query.get("cursor", "0:0")
     if _CURSOR.fullmatch(cursor) is None:
         raise BadRequest("cursor is malformed", param="cursor")

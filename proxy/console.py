@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from redis import exceptions as redis_errors
 
-from proxy.admin import admin_route
+from proxy.admin import admin_route, int_query
 from proxy.auth import Principal
 from proxy.console_engines import CONSOLE_SERIES, SAMPLE_EVERY_S, Series, engines
 from proxy.console_models import (
@@ -164,19 +164,6 @@ async def _bones(app: web.Application, store: SessionStore, tenant: str) -> list
     return bones
 
 
-def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"{name} must be an integer", param=name) from None
-    if not lo <= value <= hi:
-        raise BadRequest(f"{name} must be between {lo} and {hi}", param=name)
-    return value
-
-
 @admin_route
 async def forest(
     request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
@@ -186,8 +173,8 @@ async def forest(
     if state is not None and state not in DISPLAY_STATES:
         raise BadRequest(f"state must be one of {', '.join(DISPLAY_STATES)}", param="state")
     query = (request.query.get("q") or "").strip().lower()
-    offset = _int_query(request, "offset", 0, 0, 10_000_000)
-    limit = _int_query(request, "limit", 50, 1, MAX_PAGE)
+    offset = int_query(request, "offset", 0, 0, 10_000_000, blank_ok=True)
+    limit = int_query(request, "limit", 50, 1, MAX_PAGE, blank_ok=True)
     requested = request.query.get("tenant") or None
     tenants = (
         [principal.scope(requested)] if requested or principal.tenant else await store.tenants()

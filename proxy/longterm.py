@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +32,7 @@ from adapters.base import AdapterError
 from proxy.context import decode_context
 from proxy.metrics import Metrics
 from proxy.store import StoreDown
+from proxy.store_pins import pack_pin, unpack_pin
 
 if TYPE_CHECKING:
     from proxy.engine_state import EngineState
@@ -58,20 +57,17 @@ class LongPin:
 def encode_long_pin(pin: LongPin) -> bytes:
     """A JSON header line, then the tokens as uint32 (as the tier-pin ledger stores them)."""
     head = {"engine": pin.engine, "salt": pin.salt, "chunks": pin.chunks, "stored": pin.stored}
-    return json.dumps(head).encode() + b"\n" + array("I", pin.tokens).tobytes()
+    return pack_pin(head, pin.tokens)
 
 
 def decode_long_pin(raw: bytes) -> LongPin | None:
     """The pin ``encode_long_pin`` wrote; None for a record it cannot read."""
-    head, _, body = raw.partition(b"\n")
     try:
-        meta = json.loads(head)
-        tokens = array("I")
-        tokens.frombytes(body[: len(body) - len(body) % tokens.itemsize])
+        meta, tokens = unpack_pin(raw)
         salt = meta["salt"]
         return LongPin(
             str(meta["engine"]),
-            tokens.tolist(),
+            tokens,
             salt if isinstance(salt, str) else None,
             int(meta["chunks"]),
             int(meta["stored"]),

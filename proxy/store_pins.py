@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from array import array
+from typing import Any
+
 from proxy.store_base import StoreBase
 from proxy.store_model import SEP, as_text
 
@@ -15,6 +19,22 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 return payload or false
 """
+
+
+def pack_pin(head: dict[str, Any], tokens: list[int]) -> bytes:
+    """A pin record as the ledgers store it: a JSON header line, then the tokens as uint32."""
+    return json.dumps(head).encode() + b"\n" + array("I", tokens).tobytes()
+
+
+def unpack_pin(raw: bytes) -> tuple[dict[str, Any], list[int]]:
+    """The header and tokens :func:`pack_pin` wrote; ValueError for a record it cannot read."""
+    head, _, body = raw.partition(b"\n")
+    meta = json.loads(head)
+    if not isinstance(meta, dict):
+        raise ValueError("a pin header is a JSON object")
+    tokens = array("I")
+    tokens.frombytes(body[: len(body) - len(body) % tokens.itemsize])
+    return meta, tokens.tolist()
 
 
 class PinLedger(StoreBase):

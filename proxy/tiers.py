@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +47,7 @@ from proxy.keys import SessionKey
 from proxy.metrics import Metrics
 from proxy.settings import TierSettings
 from proxy.store import Session, SessionStore, StoreDown
+from proxy.store_pins import pack_pin, unpack_pin
 
 log = logging.getLogger("kvkeeper.tiers")
 
@@ -69,20 +68,17 @@ class _Pin:
 def encode_pin(pin: _Pin) -> bytes:
     """A pin as the ledger stores it: a JSON header line, then the tokens as uint32."""
     head = {"version": pin.version, "salt": pin.salt, "chunks": pin.chunks, "stored": pin.stored}
-    return json.dumps(head).encode() + b"\n" + array("I", pin.tokens).tobytes()
+    return pack_pin(head, pin.tokens)
 
 
 def decode_pin(raw: bytes) -> _Pin | None:
     """The pin ``encode_pin`` wrote; None for a record it cannot read."""
-    head, _, body = raw.partition(b"\n")
     try:
-        meta = json.loads(head)
-        tokens = array("I")
-        tokens.frombytes(body[: len(body) - len(body) % tokens.itemsize])
+        meta, tokens = unpack_pin(raw)
         salt = meta["salt"]
         return _Pin(
             float(meta["version"]),
-            tokens.tolist(),
+            tokens,
             salt if isinstance(salt, str) else None,
             int(meta["chunks"]),
             int(meta["stored"]),

@@ -50,6 +50,8 @@ log = logging.getLogger("kvkeeper.retention")
 
 # block ids of a protected session are re-learned (a tokenize) once it has paused this long
 RELEARN_IDLE_S = 1.0
+# the most of the wall time retention's ticks may take; a longer tick waits longer for the next
+MAX_TICK_SHARE = 0.2
 # without KV events and before the horizon is learned: touch protected sessions this often
 FALLBACK_TOUCH_INTERVAL_S = 30.0
 # touch a protected prefix once it has used this share of the LRU horizon (or fallen this share
@@ -176,6 +178,7 @@ class Retention:
 
     # --- the worker -----------------------------------------------------------------------------
     async def _run(self, es: EngineState) -> None:
+        pause = self.settings.tick_s
         lease = f"engine:{es.name}"
         ttl_ms = int(LEASE_TTL_S * 1000)
         while not self._stopping.is_set():
@@ -190,9 +193,14 @@ class Retention:
                 if token:
                     started = time.perf_counter()
                     await self.tick(es, time.time())
-                    self.metrics.child(self.metrics.retention_tick, es.name).observe(
-                        time.perf_counter() - started
-                    )
+                    took = time.perf_counter() - started
+                    self.metrics.child(self.metrics.retention_tick, es.name).observe(took)
+                    # the tick shares the data plane's event loop and cores: at most
+                    # MAX_TICK_SHARE of the wall time (on a starved machine ticks took 250 ms
+                    # each, 40% of a run, and every request waited behind them)
+                    # (and well within the lease, which the next pass renews)
+                    stretch = min(took / MAX_TICK_SHARE - took, self.settings.lease_ttl_s / 3)
+                    pause = max(self.settings.tick_s, stretch)
                 for key in await self.blocks.prune(time.time()):  # leader or not
                     self.forget(key)
             except StoreDown:  # the lease may pass to another replica meanwhile
@@ -202,7 +210,8 @@ class Retention:
             except Exception:  # a bad tick must not end the worker
                 log.exception("retention tick failed on %s", es.name)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.settings.tick_s)
+                await asyncio.wait_for(self._stopping.wait(), pause)
+            pause = self.settings.tick_s
 
     async def tick(self, es: EngineState, now: float) -> None:
         await self._expire(now)

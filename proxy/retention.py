@@ -199,7 +199,7 @@ class Retention:
                     # MAX_TICK_SHARE of the wall time (on a starved machine ticks took 250 ms
                     # each, 40% of a run, and every request waited behind them)
                     # (and well within the lease, which the next pass renews)
-                    stretch = min(took / MAX_TICK_SHARE - took, self.settings.lease_ttl_s / 3)
+                    stretch = min(took / MAX_TICK_SHARE - took, LEASE_TTL_S / 3)
                     pause = max(self.settings.tick_s, stretch)
                 for key in await self.blocks.prune(time.time()):  # leader or not
                     self.forget(key)

@@ -158,15 +158,9 @@ def kvkeeper_config(
     when ``offload``: ``lmcache`` for real engines, else the simulator's when it serves one)."""
     engines: list[dict[str, Any]] = []
     for sim in sims:
-        engine: dict[str, Any] = {"url": sim.url, "events": sim.events_endpoint}
+        engine = sim.kvkeeper_engine(model, tier=offload and lmcache is None)
         if offload and lmcache is not None:
             engine["lmcache"] = dict(lmcache)
-        elif offload and sim.lmcache_url:
-            engine["lmcache"] = {
-                "coordinator_url": sim.lmcache_url,
-                "server_url": sim.lmcache_url,
-                "model_name": model,
-            }
         engines.append(engine)
     return {
         "host": "127.0.0.1",

@@ -104,6 +104,22 @@ class SimEndpoints:
     replay_endpoint: str | None
     lmcache_url: str | None
 
+    def kvkeeper_engine(
+        self, model_name: str = "sim", *, events: bool = True, tier: bool = True
+    ) -> dict[str, Any]:
+        """This simulator as an entry of kvkeeper's ``engines`` setting: its URL, its KV-event
+        endpoint (``events``) and its LMCache-shaped tier when it serves one (``tier``)."""
+        engine: dict[str, Any] = {"url": self.url}
+        if events:
+            engine["events"] = self.events_endpoint
+        if tier and self.lmcache_url:
+            engine["lmcache"] = {
+                "coordinator_url": self.lmcache_url,
+                "server_url": self.lmcache_url,
+                "model_name": model_name,
+            }
+        return engine
+
 
 @dataclass(frozen=True, slots=True)
 class Simulator(SimEndpoints):

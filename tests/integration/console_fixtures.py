@@ -96,15 +96,8 @@ async def console_stack(
     cfg = SimConfig(num_blocks=300, speed=30.0, reply_tokens=1, cpu_blocks=2000 if tier else 0)
     async with AsyncExitStack() as stack:
         sim = await stack.enter_async_context(run_simulator(cfg))
-        engine: dict[str, Any] = {"url": sim.url, "events": sim.events_endpoint}
-        if sim.lmcache_url:
-            engine["lmcache"] = {
-                "coordinator_url": sim.lmcache_url,
-                "server_url": sim.lmcache_url,
-                "model_name": "sim",
-            }
         settings = load_settings(
-            engines=[engine],
+            engines=[sim.kvkeeper_engine()],
             redis_url=redis_url,
             namespace=namespace,
             admin_token=ADMIN,

@@ -109,17 +109,8 @@ async def sim_stack(
     )
     async with AsyncExitStack() as stack:
         sim = await stack.enter_async_context(run_simulator(cfg))
-        engine: dict[str, Any] = {"url": sim.url}
-        if events:
-            engine["events"] = sim.events_endpoint
-        if sim.lmcache_url:
-            engine["lmcache"] = {
-                "coordinator_url": sim.lmcache_url,
-                "server_url": sim.lmcache_url,
-                "model_name": "sim",
-            }
         settings = load_settings(
-            engines=[engine],
+            engines=[sim.kvkeeper_engine(events=events)],
             redis_url=redis_url,
             namespace=namespace,
             admin_token="admin-secret",

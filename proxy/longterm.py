@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from adapters.base import AdapterError
-from proxy.context import decode_context
 from proxy.metrics import Metrics
 from proxy.store import StoreDown
 from proxy.store_pins import pack_pin, unpack_pin
+from proxy.tiers import context_tokens
 
 if TYPE_CHECKING:
     from proxy.engine_state import EngineState
@@ -116,7 +116,7 @@ class LongRetention:
         if es is None or es.tier is None:
             return "no_offload_tier"
         try:
-            found = await self._context(es, tenant, sid)
+            found = await context_tokens(self.store, es, tenant, sid)
             if found is None:
                 return "no_recorded_context"
             tokens, salt = found
@@ -185,24 +185,6 @@ class LongRetention:
                 log.exception("long retention sweep failed")
 
     # --- internals ------------------------------------------------------------------------------
-    async def _context(
-        self, es: EngineState, tenant: str, sid: str
-    ) -> tuple[list[int], str | None] | None:
-        """Token ids and cache salt of the session's recorded context (None: none to key)."""
-        if es.no_tokenize:
-            return None
-        blob = await self.store.get_context(tenant, sid)
-        if blob is None:
-            return None
-        ctx = decode_context(blob)
-        if not es.adapter.tokenizable(ctx.route):
-            return None  # /v1/messages, /v1/responses: no tokenizer route to key them
-        tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
-        if ctx.block_offset is not None:
-            tokens = tokens[: ctx.block_offset * es.signals.block_size]
-        salt = ctx.body.get("cache_salt")
-        return tokens, salt if isinstance(salt, str) else None
-
     async def _unpin(self, pin: LongPin) -> None:
         es = self.engines.get(pin.engine)
         if es is None or es.tier is None:

@@ -87,6 +87,26 @@ def decode_pin(raw: bytes) -> _Pin | None:
         return None
 
 
+async def context_tokens(
+    store: SessionStore, es: EngineState, tenant: str, sid: str
+) -> tuple[list[int], str | None] | None:
+    """The token ids and cache salt of the session's recorded context (None: none a tier can
+    key)."""
+    if es.no_tokenize:
+        return None
+    blob = await store.get_context(tenant, sid)
+    if blob is None:
+        return None
+    ctx = decode_context(blob)
+    if not es.adapter.tokenizable(ctx.route):
+        return None  # /v1/messages, /v1/responses: no tokenizer route to key them
+    tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
+    if ctx.block_offset is not None:
+        tokens = tokens[: ctx.block_offset * es.signals.block_size]
+    salt = ctx.body.get("cache_salt")
+    return tokens, salt if isinstance(salt, str) else None
+
+
 @dataclass(slots=True)
 class _TierState:
     pins: dict[SessionKey, _Pin] = field(default_factory=dict)
@@ -269,31 +289,12 @@ class TierKeeper:
         """The token ids and cache salt of the session's recorded context (None when it has
         none the tier can key, or it could not be read)."""
         try:
-            return await self._context(es, session)
+            return await context_tokens(self.store, es, session.tenant, session.session_id)
         except StoreDown:
             return None
         except _TIER_ERRORS as exc:
             log.warning("tier pin of %s failed: %s", session.session_id, exc)
             return None
-
-    async def _context(
-        self, es: EngineState, session: Session
-    ) -> tuple[list[int], str | None] | None:
-        """The token ids and cache salt of the session's recorded context (None: none the tier
-        can key)."""
-        if es.no_tokenize:
-            return None
-        blob = await self.store.get_context(session.tenant, session.session_id)
-        if blob is None:
-            return None
-        ctx = decode_context(blob)
-        if not es.adapter.tokenizable(ctx.route):
-            return None  # /v1/messages, /v1/responses: no tokenizer route to key them
-        tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
-        if ctx.block_offset is not None:
-            tokens = tokens[: ctx.block_offset * es.signals.block_size]
-        salt = ctx.body.get("cache_salt")
-        return tokens, salt if isinstance(salt, str) else None
 
     @staticmethod
     async def _pin(

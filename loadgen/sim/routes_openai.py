@@ -89,6 +89,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(body_out)
 
 
+async def _end_stream(
+    resp: web.StreamResponse,
+    params: GenParams,
+    req: SimRequest,
+    last: dict[str, Any],
+    head: dict[str, Any],
+) -> None:
+    """The stream's last chunk, its usage chunk when asked (``head``: id, object, created,
+    model), then ``[DONE]``."""
+    if not params.include_usage:  # vLLM: the fingerprint ends the stream's last chunk
+        last["system_fingerprint"] = FINGERPRINT
+    await resp.write(sse(last))
+    if params.include_usage:
+        usage_chunk = {
+            **head,
+            "choices": [],
+            "usage": usage(req),
+            "system_fingerprint": FINGERPRINT,
+        }
+        await resp.write(sse(usage_chunk))
+    await resp.write(sse("[DONE]"))
+
+
 async def _stream_completion(
     request: web.Request, req: SimRequest, params: GenParams, rid: str, model: str
 ) -> web.StreamResponse:
@@ -103,15 +126,8 @@ async def _stream_completion(
 
         async for batch in token_batches(req):
             await resp.write(sse(chunk(tok.decode(batch), None)))
-        last = chunk("", req.finish_reason)
-        if not params.include_usage:  # vLLM: the fingerprint ends the stream's last chunk
-            last["system_fingerprint"] = FINGERPRINT
-        await resp.write(sse(last))
-        if params.include_usage:
-            await resp.write(sse({"id": rid, "object": "text_completion", "created": created,
-                                  "model": model, "choices": [], "usage": usage(req),
-                                  "system_fingerprint": FINGERPRINT}))  # fmt: skip
-        await resp.write(sse("[DONE]"))
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        await _end_stream(resp, params, req, chunk("", req.finish_reason), head)
     finally:
         abort_unfinished(request, req)
     return resp
@@ -148,15 +164,8 @@ async def _stream_chat(
         await resp.write(sse(chunk({"role": "assistant", "content": ""}, None)))
         async for batch in token_batches(req):
             await resp.write(sse(chunk({"content": tok.decode(batch)}, None)))
-        last = chunk({}, req.finish_reason)
-        if not params.include_usage:  # vLLM: the fingerprint ends the stream's last chunk
-            last["system_fingerprint"] = FINGERPRINT
-        await resp.write(sse(last))
-        if params.include_usage:
-            await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                  "model": model, "choices": [], "usage": usage(req),
-                                  "system_fingerprint": FINGERPRINT}))  # fmt: skip
-        await resp.write(sse("[DONE]"))
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        await _end_stream(resp, params, req, chunk({}, req.finish_reason), head)
     finally:
         abort_unfinished(request, req)
     return resp

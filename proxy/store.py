@@ -7,13 +7,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
-
 from proxy.hints import Hint
-from proxy.settings import Limits
 from proxy.store_base import StoreBase
 from proxy.store_mirror import FEED_MAX, FEED_PAGE, LOAD_PAGE, ProtectedMirror
 from proxy.store_model import (
@@ -49,20 +45,6 @@ __all__ = [
 
 class SessionStore(ProtectedMirror, PinLedger):
     """All Redis access for sessions. One instance per app, shared by handlers and workers."""
-
-    def __init__(
-        self,
-        redis: Redis,
-        limits: Limits,
-        *,
-        namespace: str = "kvk",
-        cooldown_s: float = 1.0,
-        on_error: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(
-            redis, limits, namespace=namespace, cooldown_s=cooldown_s, on_error=on_error
-        )
-        self._init_mirror()
 
     # --- hot path -----------------------------------------------------------------------------
     async def upsert(self, tenant: str, hint: Hint, now: float) -> Upserted:

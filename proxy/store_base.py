@@ -76,6 +76,10 @@ class StoreBase:
         self.scripts: ScriptBatcher | ClusterScripts = (
             ClusterScripts(redis, sources) if self.cluster else ScriptBatcher(redis, sources)
         )
+        self._setup()
+
+    def _setup(self) -> None:
+        """Where a part of the store sets up its own state (each calls ``super()._setup()``)."""
 
     # --- keys ---------------------------------------------------------------------------------
     def _t(self, tenant: str) -> str:

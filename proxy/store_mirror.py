@@ -20,7 +20,8 @@ LOAD_PAGE = 1000  # protected sessions per call when the mirror is (re)loaded
 class ProtectedMirror(StoreBase):
     """``protected()``: every session whose TTL deadline is still ahead, from the mirror."""
 
-    def _init_mirror(self) -> None:
+    def _setup(self) -> None:
+        super()._setup()
         # protected(): the protected sessions as last read, and the feed sequence read up to
         self._mirror: dict[tuple[str, str], Session] = {}
         self._cursors: dict[str, int] = {}  # per feed ("" on a single Redis, else tenant)

@@ -222,9 +222,44 @@ class _Draft:
         )
 
 
+_PLAIN_HINT_KEYS = frozenset({"session_id", "parent_session_id", "cache_control"})
+_PLAIN_CACHE_KEYS = frozenset({"type", "ttl"})
+
+
+def _plain_hint(raw: dict[str, Any]) -> tuple[str | None, str | None, float | None] | None:
+    """The common hint (ids, a plain ephemeral TTL) checked by hand, as ``AgentHintParams``
+    would accept it: (session id, parent id, TTL or None without cache_control); None for any
+    other shape, which pydantic then validates (and words the error)."""
+    if not raw.keys() <= _PLAIN_HINT_KEYS:
+        return None
+    sid, pid, cc = raw.get("session_id"), raw.get("parent_session_id"), raw.get("cache_control")
+    if (sid is not None and type(sid) is not str) or (pid is not None and type(pid) is not str):
+        return None
+    if cc is None:
+        return sid, pid, None
+    if type(cc) is not dict or not cc.keys() <= _PLAIN_CACHE_KEYS:
+        return None
+    ttl = cc.get("ttl", 300.0)
+    if cc.get("type", "ephemeral") != "ephemeral" or type(ttl) not in (int, float):
+        return None
+    if not 0 <= ttl <= RFC_MAX_TTL:  # NaN fails too
+        return None
+    return sid, pid, float(ttl)
+
+
 def _agent_hint(draft: _Draft, raw: Any) -> None:
     if not isinstance(raw, dict):
         raise _fail("agent_hint must be an object", "agent_hint")
+    if (plain := _plain_hint(raw)) is not None:  # most hints: no pydantic on the hot path
+        sid, pid, ttl = plain
+        draft.dialects.append("agent_hint")
+        if sid is not None:
+            draft.set_session(sid, "agent_hint.session_id")
+        if pid is not None:
+            draft.set_parent(pid, "agent_hint.parent_session_id")
+        if ttl is not None:
+            draft.ttl, draft.block_offset = ttl, None
+        return
     try:
         params = AgentHintParams.model_validate(raw)
     except ValidationError as exc:

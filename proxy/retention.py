@@ -196,9 +196,8 @@ class Retention:
                     took = time.perf_counter() - started
                     self.metrics.child(self.metrics.retention_tick, es.name).observe(took)
                     # the tick shares the data plane's event loop and cores: at most
-                    # MAX_TICK_SHARE of the wall time (on a starved machine ticks took 250 ms
-                    # each, 40% of a run, and every request waited behind them)
-                    # (and well within the lease, which the next pass renews)
+                    # MAX_TICK_SHARE of the wall time, so requests do not queue behind ticks on
+                    # a starved machine (and well within the lease, which the next pass renews)
                     stretch = min(took / MAX_TICK_SHARE - took, LEASE_TTL_S / 3)
                     pause = max(self.settings.tick_s, stretch)
                 for key in await self.blocks.prune(time.time()):  # leader or not

@@ -17,7 +17,7 @@ from proxy.console_models import (
     OperationOutcome,
     SessionDetail,
 )
-from proxy.hints import AgentHintParams
+from proxy.hint_schema import AgentHintParams
 
 # models the admin and console handlers return: their schemas go to components/schemas
 _MODELS: tuple[type[BaseModel], ...] = (

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from proxy.hints import AgentHintParams, _plain_hint
+from proxy.hint_schema import AgentHintParams
+from proxy.hints import _plain_hint
 
 CASES: list[Any] = [
     {"session_id": "s1"},

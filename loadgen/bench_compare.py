@@ -59,7 +59,6 @@ EXTRA_COUNTERS = (
     "kvkeeper_pressure_overrides_total",
     "kvkeeper_prefetches_total",
     "kvkeeper_offloads_total",
-    "kvkeeper_anchor_touches_total",
 )
 BELADY_COUNTERS = (
     "kvkeeper_sim_belady_prompt_blocks_total",

@@ -2,8 +2,7 @@
 
 Modules: ``horizon`` (LRU horizon estimate), ``keepalive`` (touch schedule), ``budget`` (soft-TTL
 budget, pressure overrides), ``routing`` (engine choice), ``overhead`` (what touches and
-warm-ups may recompute), ``predictor`` (next-agent Markov model), ``anchors`` (agent anchor
-touches), ``admission`` (engine priorities), ``steps`` (the engine's step length from a latency
+warm-ups may recompute), ``admission`` (engine priorities), ``steps`` (the engine's step length from a latency
 histogram), ``tier_pins`` (what to pin in the offload tier), ``smoothing`` (EWMA). Time is
 always passed in as ``now``; nothing here reads a clock.
 """
@@ -39,7 +38,6 @@ from policy.keepalive import (
     touch_interval,
 )
 from policy.overhead import OverheadBudget, OverheadConfig
-from policy.predictor import TransitionConfig, TransitionModel
 from policy.routing import (
     EngineCandidate,
     EngineScore,
@@ -78,8 +76,6 @@ __all__ = [
     "RouteRequest",
     "RoutingConfig",
     "SessionId",
-    "TransitionConfig",
-    "TransitionModel",
     "allocate_budget",
     "effective_budget",
     "ewma",

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from policy.smoothing import ewma
 
 SESSION_TOUCH = "session"  # kinds of touch, each with its own running recompute estimate
-ANCHOR_TOUCH = "anchor"
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,3 +99,12 @@ class PrefixIndex:
     def forget(self, engine: str) -> None:
         """The engine restarted or its cache was reset: it holds nothing."""
         self._seen.pop(engine, None)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -21,7 +21,6 @@ from policy.admission import admission_priority
 from proxy import redisconn
 from proxy.access import access_log
 from proxy.admin import add_admin_routes
-from proxy.anchors import AnchorKeeper
 from proxy.auth import TenantMap
 from proxy.block_cache import BlockCache
 from proxy.completions import CompletionWriter
@@ -42,7 +41,7 @@ from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.prefix_share import PrefixShare
-from proxy.retention import MAX_CONCURRENT_TOUCHES, SAFETY_FRACTION, Retention
+from proxy.retention import Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
 from proxy.settings import Limits, Settings
@@ -113,14 +112,6 @@ def build_retention(
     r = settings.retention
     blocks = BlockCache(store, {es.name: es for es in states})
     touches = TouchRunner(store, blocks, metrics, r.touch_deadline_s)
-    anchors = None
-    if settings.anchors.enabled:
-        anchors = AnchorKeeper(
-            metrics,
-            touches,
-            safety_fraction=SAFETY_FRACTION,
-            max_touches=MAX_CONCURRENT_TOUCHES,
-        )
     return Retention(
         store,
         states,
@@ -130,7 +121,6 @@ def build_retention(
         guards=Guards(
             settings.guard, metrics, workers=worker_count(settings.workers) if settings.port else 1
         ),
-        anchors=anchors,
         blocks=blocks,
         touches=touches,
     )

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from adapters.base import AdapterError, EngineRejected
-from policy.anchors import common_prefix
+from policy.prefix_index import common_prefix
 from proxy.context import RecordedContext, decode_context
 from proxy.engine_state import EngineState
 from proxy.keys import SessionKey

@@ -113,11 +113,9 @@ class Series:
 CONSOLE_SERIES = web.AppKey("console_series", Series)
 
 
-def _engine(
-    rt: Runtime, name: str, series: list[SeriesPoint], tenant: str | None, got: _Samples
-) -> ConsoleEngine:
+def _engine(rt: Runtime, name: str, series: list[SeriesPoint], got: _Samples) -> ConsoleEngine:
     e = rt.pool.by_name[name]
-    view = rt.retention.engine_view(name, tenant) if rt.retention is not None else {}
+    view = rt.retention.engine_view(name) if rt.retention is not None else {}
     es = rt.retention.engines.get(name) if rt.retention is not None else None
     load = e.signals.load
     over = view.get("overhead")
@@ -157,9 +155,6 @@ def _engine(
             else None
         ),
         touches={k: int(v) for k, v in got.by("kvkeeper_touches_total", name, "outcome").items()},
-        anchor_touches={
-            k: int(v) for k, v in got.by("kvkeeper_anchor_touches_total", name, "outcome").items()
-        },
         tier=TierPins(**tier) if isinstance(tier, dict) else None,
         hit_rate=(
             round(sum(p.hit_rate or 0.0 for p in served) / len(served), 4) if served else None
@@ -169,18 +164,15 @@ def _engine(
 
 
 async def engines(request: web.Request) -> web.Response:
-    """``GET /admin/console/engines`` (any admin principal; anchors scoped to a tenant's own)."""
+    """``GET /admin/console/engines`` (any admin principal)."""
     rt = request.app[RUNTIME]
-    who = rt.tenants.principal(request.headers, rt.settings.admin_token)
+    rt.tenants.principal(request.headers, rt.settings.admin_token)  # any admin principal
     points = request.app[CONSOLE_SERIES].points
     m = rt.metrics
-    got = _Samples((m.protected_sessions, m.touches, m.anchor_touches))
+    got = _Samples((m.protected_sessions, m.touches))
     body = ConsoleEngines(
         now=time.time(),
         sample_every_s=SAMPLE_EVERY_S,
-        engines=[
-            _engine(rt, e.name, list(points.get(e.name, ())), who.tenant, got)
-            for e in rt.pool.engines
-        ],
+        engines=[_engine(rt, e.name, list(points.get(e.name, ())), got) for e in rt.pool.engines],
     )
     return web.json_response(text=body.model_dump_json())

@@ -119,7 +119,6 @@ class ConsoleEngine(BaseModel):
     protected_sessions: int
     credit: RetentionCredit | None
     touches: dict[str, int] = Field(description="keep-alive touches by outcome")
-    anchor_touches: dict[str, int]
     tier: TierPins | None
     hit_rate: float | None = Field(description="over the series window")
     series: list[SeriesPoint]

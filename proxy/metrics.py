@@ -223,12 +223,6 @@ class Metrics:
             ["engine"],
             registry=r,
         )
-        self.anchor_touches = Counter(
-            "kvkeeper_anchor_touches",
-            "Keep-alive touches of agent anchors, by engine and outcome",
-            ["engine", "outcome"],
-            registry=r,
-        )
         self.overhead_credit = Gauge(
             "kvkeeper_retention_credit_tokens",
             "Recompute credit left to touches and warm-ups (retention.max_overhead_share)",
@@ -253,13 +247,6 @@ class Metrics:
         self.tier_pinned_sessions = Gauge(
             "kvkeeper_tier_pinned_sessions",
             "Protected sessions pinned in the engine's offload tier",
-            ["engine"],
-            multiprocess_mode="livemax",
-            registry=r,
-        )
-        self.tier_pinned_anchors = Gauge(
-            "kvkeeper_tier_pinned_anchors",
-            "Agent anchors pinned in the engine's offload tier",
             ["engine"],
             multiprocess_mode="livemax",
             registry=r,

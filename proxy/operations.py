@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from adapters.base import AdapterError, TouchResult
-from policy.anchors import common_prefix
+from policy.prefix_index import common_prefix
 from proxy.context import decode_context
 from proxy.edits import EditResult
 from proxy.engine_state import EngineState

@@ -5,8 +5,7 @@ Per engine, one proxy replica (the holder of a Redis lease) drives a tick loop:
 1. expire TTLs whose deadline passed (the deadline ZSET is the timer wheel);
 2. read the engine's signals (``proxy.signals``): its load and LRU horizon, how long a block
    freed now survives;
-3. keep agent anchors warm (``proxy.anchors``) and pin sessions in the offload tier
-   (``proxy.tiers``); sessions the tier holds need no touches;
+3. pin sessions in the offload tier (``proxy.tiers``); sessions the tier holds need no touches;
 4. apply the soft-TTL budget (``policy.budget``): protections beyond the share of the pool lapse,
    least valuable first, reported as ``pressure_override``;
 5. touch the protected sessions whose prefix age approaches the horizon (``policy.keepalive``)
@@ -35,7 +34,6 @@ from policy import (
     plan_budget,
     plan_touches,
 )
-from proxy.anchors import AnchorKeeper
 from proxy.block_cache import BlockCache
 from proxy.engine_state import EngineState
 from proxy.guards import Guards
@@ -80,7 +78,6 @@ class Retention:
         metrics: Metrics,
         *,
         tiers: TierKeeper,
-        anchors: AnchorKeeper | None = None,
         blocks: BlockCache | None = None,
         touches: TouchRunner | None = None,
         guards: Guards | None = None,
@@ -101,7 +98,6 @@ class Retention:
             store, self.blocks, metrics, settings.touch_deadline_s
         )
         self.tiers = tiers
-        self.anchors = anchors
         # retention's measured effect per engine: touches, warm-ups and new pins stop where
         # their cost outweighs the hits they bought (policy/guard.py)
         self.guards = guards
@@ -169,8 +165,6 @@ class Retention:
         self.blocks.forget(key)
         if self.guards is not None:
             self.guards.forget(key)
-        if self.anchors is not None:
-            self.anchors.forget(*key)
 
     def engine_for(self, session: Session) -> EngineState:
         """The engine that serves ``session`` (not yet routed: the first one)."""
@@ -217,8 +211,6 @@ class Retention:
         await es.signals.scrape(now)
         horizon = es.signals.horizon(now)
         self.metrics.child(self.metrics.horizon, es.name).set(horizon)
-        if self.anchors is not None:
-            await self.anchors.tick(es, now, horizon)
         # a session that has not finished a request yet has no recorded context to touch
         sessions = [
             s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
@@ -338,8 +330,8 @@ class Retention:
                 self.metrics.expiries.inc()
 
     # --- views ------------------------------------------------------------------------------------
-    def engine_view(self, name: str, tenant: str | None = None) -> dict[str, Any]:
-        """What retention holds on one engine; ``tenant``: only that tenant's anchors."""
+    def engine_view(self, name: str) -> dict[str, Any]:
+        """What retention holds on one engine."""
         es = self.engines.get(name)
         if es is None:
             return {}
@@ -362,7 +354,6 @@ class Retention:
             scheduling_policy=getattr(es.adapter, "scheduling_policy", None),
             admission_priorities=bool(getattr(es.adapter, "prioritized", False)),
             pressure_overrides_now=len(es.overridden),
-            anchors=self.anchors.view(name, time.time(), tenant) if self.anchors else [],
         )
         return view
 

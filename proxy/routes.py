@@ -98,17 +98,6 @@ def _after(
     )
     if rt.retention is not None:
         rt.retention.on_completion(engine.name, usage, before, SessionKey(tenant, hint.session_id))
-        if hint.agent_name and rt.retention.anchors is not None:
-            rt.retention.anchors.observe(
-                engine.name,
-                tenant,
-                hint.session_id,
-                hint.agent_name,
-                route,
-                body,
-                time.time(),
-                tokenizable=engine.adapter.tokenizable(route),
-            )
     if hint.edits:
         rt.spawn(_apply_edits(rt, tenant, hint))
     if hint.retain_s and rt.longterm is not None:

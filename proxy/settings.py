@@ -218,14 +218,6 @@ class AdmissionSettings(BaseModel):
     )
 
 
-class AnchorSettings(BaseModel):
-    """Agent anchors: common prompt prefixes kept warm for the agents predicted to run next."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = Field(default=False, description="Touch learned anchors (X-Agent-Name).")
-
-
 class PlacementSettings(BaseModel):
     """Where a request goes when there are several engines (``policy.routing.place_by_prefix``)."""
 
@@ -271,7 +263,6 @@ class Settings(BaseSettings):
     tier: TierSettings = Field(default_factory=TierSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     guard: GuardSettings = Field(default_factory=GuardSettings)
-    anchors: AnchorSettings = Field(default_factory=AnchorSettings)
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING ...")
     log_format: Literal["text", "json"] = Field(

@@ -8,7 +8,6 @@ from typing import Any
 LEGACY_RETENTION_KEYS: dict[str, tuple[str, str]] = {
     "tier_pin_share": ("tier", "pin_share"),
     "admission_priority": ("admission", "enabled"),
-    "anchors": ("anchors", "enabled"),
     "block_size": ("cache", "block_size"),
     "hash_seed": ("cache", "hash_seed"),
 }
@@ -17,6 +16,8 @@ LEGACY_RETENTION_KEYS: dict[str, tuple[str, str]] = {
 RETIRED_KEYS = frozenset(
     {
         "retention.touch_deadline_steps",
+        "anchors.enabled",
+        "retention.anchors",
         "retention.tier_pin_anchors",
         "retention.tier_anchor_keep_factor",
         "retention.tier_skip_touches",
@@ -57,7 +58,7 @@ RETIRED_KEYS = frozenset(
         "engines[].lmcache.chunk_size",
     }
 )
-_GROUPS = ("retention", "upstream", "limits", "admission", "placement")
+_GROUPS = ("retention", "upstream", "limits", "admission", "placement", "anchors")
 
 
 def migrate(data: Any) -> Any:

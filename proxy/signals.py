@@ -23,7 +23,6 @@ from adapters.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored,
 from adapters.residency import ResidencyIndex
 from policy import EngineLoad, HorizonConfig, HorizonEstimator, OverheadBudget
 from policy.horizon import RateMeter, fill_time_horizon
-from policy.overhead import ANCHOR_TOUCH
 
 log = logging.getLogger("kvkeeper.signals")
 
@@ -265,7 +264,6 @@ class EngineSignals:
                 "earned_from": "engine" if self.queries_seen is not None else "proxy",
                 "credit_tokens": round(o.credit, 1),
                 "touch_estimate_tokens": round(o.touch_estimate, 1),
-                "anchor_touch_estimate_tokens": round(o.estimate(ANCHOR_TOUCH), 1),
                 "recomputed_tokens": int(o.spent),
                 "declined": o.declined,
             },

@@ -1,8 +1,7 @@
 """Keep-alive touches and warm-ups: running them, their deadline, and the session replay.
 
 A touch is a one-token request over a prefix that moves it to LRU's safe end. The runner is
-shared by the retention tick (sessions) and the anchor keeper (agent anchors): it holds the
-tasks (cancelled on stop), settles each one's overhead credit, and abandons a touch the engine
+driven by the retention tick: it holds the tasks (cancelled on stop), settles each one's overhead credit, and abandons a touch the engine
 has not served within the deadline.
 """
 

@@ -158,7 +158,6 @@ async function loadEngines() {
       `<dt>protected</dt><dd>${num(e.protected_sessions)} sessions</dd>` +
       `<dt>credit</dt><dd>${e.credit ? `${num(Math.round(e.credit.credit_tokens))} tokens (share ${e.credit.max_share}), recomputed ${num(e.credit.recomputed_tokens)}, declined ${num(e.credit.declined)}` : "–"}</dd>` +
       `<dt>touches</dt><dd>${outcomes(e.touches)}</dd>` +
-      `<dt>anchor touches</dt><dd>${outcomes(e.anchor_touches)}</dd>` +
       `<dt>tier pins</dt><dd>${tier}</dd>` +
       "</dl>" +
       `<div class="bar"><div style="width:${((use || 0) * 100).toFixed(1)}%"></div></div>` +

@@ -40,18 +40,6 @@ class SimStack:
         assert resp.status == 200, await resp.text()
         return dict(await resp.json())
 
-    async def agent_call(self, sid: str, agent: str, tokens: list[int]) -> int:
-        """A one-token call of ``sid`` by ``agent`` (X-Agent-Name); its cached tokens."""
-        body = {
-            "model": "sim",
-            "prompt": tokens,
-            "max_tokens": 1,
-            "agent_hint": {"session_id": sid},
-        }
-        resp = await self.proxy.post("/v1/completions", json=body, headers={"X-Agent-Name": agent})
-        assert resp.status == 200, await resp.text()
-        return cached(dict(await resp.json()))
-
     async def manage(self, sid: str, *edits: str, i: int = 0) -> dict[str, Any]:
         hint = {
             "session_id": sid,

@@ -728,36 +728,3 @@ async def test_traffic_that_reached_the_engine_another_way_earns_retention_credi
         admin = {"Authorization": "Bearer admin-secret"}
         engines = await (await st.proxy.get("/admin/engines", headers=admin)).json()
         assert engines["data"][0]["retention"]["overhead"]["earned_from"] == "engine"
-
-
-@pytest.mark.parametrize("anchors", [True, False])
-async def test_an_agents_anchor_outlives_a_flood_while_its_agent_is_expected(
-    redis_server: RedisServer, namespace: str, anchors: bool
-) -> None:
-    """Two sessions call the same agent (a 1,000-token anchor, then their own text). Neither
-    asked for protection, but both are expected to call that agent again, so kvkeeper learns
-    the anchor (their common blocks) and keeps it warm through a flood that evicts everything
-    else: a third session's first call of the agent hits it. Without anchors it is gone."""
-    anchor = prompt(7, 1000)
-    async with sim_stack(redis_server.url, namespace, anchors=anchors) as st:
-        for turn in range(2):  # each session calls the coder twice: coder -> coder
-            for n, sid in enumerate(("u1", "u2")):
-                await st.agent_call(sid, "coder", anchor + prompt(10 + 2 * turn + n, 40))
-        retention, es = _engine_state(st)
-        if anchors:
-
-            async def learned() -> bool:
-                view = retention.engine_view(es.name)["anchors"]
-                return bool(view) and view[0]["blocks"] == 1000 // BLOCK
-
-            assert await wait_for(learned), "the anchor was never learned"
-            view = retention.engine_view(es.name)["anchors"][0]
-            assert view["agent"] == "coder" and view["demand"] > 1.5  # two sessions, ~1 each
-        await _flood(st)  # 8 x 63 blocks through a 200-block pool
-        hit = await st.agent_call("u3", "coder", anchor + prompt(99, 40))
-        touches = await st.metric("kvkeeper_anchor_touches_total", label='outcome="ok"')
-        if anchors:
-            assert hit >= 1000 // BLOCK * BLOCK, hit
-            assert touches >= 1
-        else:
-            assert hit == 0 and touches == 0

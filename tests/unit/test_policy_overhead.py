@@ -54,15 +54,15 @@ def test_touch_costs_are_learned_from_what_touches_recomputed() -> None:
 
 
 def test_each_kind_of_touch_has_its_own_estimate() -> None:
-    """Costly session touches do not price anchor touches (one token each) out of the budget."""
+    """Costly session touches do not price a cheap kind of touch (one token each) out of the budget."""
     b = OverheadBudget(OverheadConfig(share=0.5, burst_tokens=2_000, touch_alpha=0.5))
     b.settle(1.0, 1_001, touch=True)  # a session touch that lost its tail
     assert b.admit_touch() == 501.0
-    assert b.admit_touch("anchor") == 1.0  # no anchor touch seen yet: a resident prefix
-    b.settle(1.0, 1, touch=True, kind="anchor")
-    assert b.estimate("anchor") == 1.0 and b.touch_estimate == pytest.approx(501)
+    assert b.admit_touch("cheap") == 1.0  # none of that kind seen yet: a resident prefix
+    b.settle(1.0, 1, touch=True, kind="cheap")
+    assert b.estimate("cheap") == 1.0 and b.touch_estimate == pytest.approx(501)
     assert b.admit_touch() is None  # 498 credit left: not another session touch...
-    assert b.admit_touch("anchor") == 1.0  # ...but an anchor touch still fits
+    assert b.admit_touch("cheap") == 1.0  # ...but a cheap touch still fits
 
 
 def test_unbounded_admits_everything_and_still_counts() -> None:

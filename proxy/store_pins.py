@@ -99,6 +99,14 @@ class PinLedger(StoreBase):
 
         return await self._call(op)
 
+    async def long_held(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of these (tenant, sid) have a long-retention pin (one call for all)."""
+        if not keys:
+            return set()
+        members = [self._member(t, s) for t, s in keys]
+        scores = await self._call(lambda: self.redis.zmscore(self.long_deadlines_key, members))
+        return {k for k, score in zip(keys, scores, strict=True) if score is not None}
+
     async def long_pins_due(self, now: float, limit: int = 256) -> list[tuple[str, str]]:
         """(tenant, sid) of long-retention pins whose deadline has passed."""
         raw = await self._call(

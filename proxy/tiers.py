@@ -153,6 +153,10 @@ class TierKeeper:
                 await self._release_pin(es, tier, sk, st.pins.pop(sk))
             return set()
         by_key = {SessionKey(s.tenant, s.session_id): s for s in sessions}
+        # long retention pins those sessions for their lifetime already: no second pin
+        with contextlib.suppress(StoreDown):
+            for tenant, sid in await self.store.long_held(list(by_key)):
+                del by_key[SessionKey(tenant, sid)]
         capacity = await self._capacity(tier, st, now)
         if capacity is not None:
             chunk = tier.chunk_size

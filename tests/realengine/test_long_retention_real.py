@@ -89,7 +89,11 @@ async def test_a_24h_session_flooded_out_of_gpu_and_l1_loads_from_l2(
     prefix = aligned(SESSION)
     async with (
         aiohttp.ClientSession() as http,
-        proxy_for(spec, redis_server.url, namespace, budget_share=0.05) as proxy,
+        # tier pins off: this is long retention alone (a protected in_memory session the
+        # GPU loses would otherwise be pinned too, and L2 would keep it)
+        proxy_for(
+            spec, redis_server.url, namespace, budget_share=0.05, tier_pin_share=0.0
+        ) as proxy,
     ):
         lmc = LMCacheAdapter(http, config)
         vllm = VLLMAdapter("lmc", lmcache_vllm.url, http, model=lmcache_vllm.served_name)

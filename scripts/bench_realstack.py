@@ -49,27 +49,13 @@ from proxy.engine_cli import (  # noqa: E402
     stop_engine,
     wait_ready,
 )
+from scripts.bench_realengine import PARAMS as REALENGINE_SWARM  # noqa: E402
 
 STACK = ROOT / "deploy" / "local" / "lmcache-stack.sh"
 # the scaled swarm of scripts/bench_realengine.py: its peak working set is ~1.8x the 200-block
 # pool, and no prompt plus output exceeds the engine's 4,096-token context
 WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
-    "swarm": (
-        "swarm",
-        {
-            "seed": 0,
-            "users": 8,
-            "agents": 5,
-            "arrival_rate": 1.0,
-            "token_scale": 0.5,
-            "anchor_max": 5000,
-            "min_dispatches": 3,
-            "max_dispatches": 5,
-            "pause_min": 3.0,
-            "pause_cap": 15.0,
-            "output_tokens": 48,
-        },
-    ),
+    "swarm": ("swarm", REALENGINE_SWARM),
     # the CacheScout setting, its blocks rounded up to vLLM-CPU's 32 tokens
     "cachescout": ("cachescout", {"users": 8, "arrival_rate": 0.5}),
 }

@@ -91,7 +91,7 @@ def _play(
             else:
                 background_end = max([background_end, *ends])
             continue
-        arrival = done + s.think
+        arrival = done + s.think if s.at is None else max(done, start + s.at)
         if join is not None:
             arrival, join = max(arrival, join), None
         if top:

@@ -172,7 +172,7 @@ class _Player:
         record = SessionRecord(sid, parent, self.now(), 0.0)
         self.sessions.append(record)
         ts = self.opts.time_scale
-        done = self.now()  # when the previous call finished
+        begun = done = self.now()  # when the previous call finished
         waited: list[asyncio.Task[None]] = []
         background: list[asyncio.Task[None]] = []
         for i, step in enumerate(script.steps):
@@ -180,8 +180,10 @@ class _Player:
                 tasks = [asyncio.create_task(self._child(c, sid, done)) for c in step.children]
                 (waited if step.wait else background).extend(tasks)
                 continue
-            target_t = done + step.think * ts
-            if i and self.target.hints.wants_prefetch(step.think * ts):
+            target_t = (
+                done + step.think * ts if step.at is None else max(done, begun + step.at * ts)
+            )
+            if i and self.target.hints.wants_prefetch(target_t - done):
                 self._side(
                     self._prefetch_at(target_t - self.target.hints.prefetch_lead, sid, parent)
                 )

@@ -1,5 +1,5 @@
-"""Agent workloads: ``swarm``, ``fanout``, ``multiturn``, ``trace`` and ``cachescout`` (see each
-module).
+"""Agent workloads: ``swarm``, ``fanout``, ``multiturn``, ``trace``, ``cachescout`` and
+``mooncake`` (see each module).
 
 A workload is chosen by name and parameters, from the CLI (``--set key=value``) or a small YAML
 spec (``workload: swarm`` plus ``params: {...}``); the same name, parameters and seed always
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from loadgen.workloads import cachescout, fanout, multiturn, swarm, trace
+from loadgen.workloads import cachescout, fanout, mooncake, multiturn, swarm, trace
 from loadgen.workloads.base import Call, Segment, SessionScript, Spawn, Workload
 
 __all__ = [
@@ -37,6 +37,7 @@ WORKLOADS: dict[str, tuple[type[Any], Callable[[Any], Workload]]] = {
     "multiturn": (multiturn.MultiturnParams, multiturn.build),
     "trace": (trace.TraceParams, trace.build),
     "cachescout": (cachescout.CacheScoutParams, cachescout.build),
+    "mooncake": (mooncake.MooncakeParams, mooncake.build),
 }
 _COERCE: dict[str, Callable[[Any], Any]] = {"int": int, "float": float, "str": str}
 

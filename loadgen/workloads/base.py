@@ -69,6 +69,9 @@ class Call:
     stop: Stop = "end_turn"
     agent: str | None = None
     api_time: float | None = None  # recorded service time, used by the offline ceiling
+    # due time after the session's start (trace replays: the recorded arrival); set, it replaces
+    # ``think`` as the schedule, and the call still waits for the session's previous one
+    at: float | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -83,7 +83,7 @@ def _names(path: Path) -> set[str]:
     return {path.name, stem, stem + fmt}
 
 
-def _open(path: Path) -> IO[str]:
+def open_trace(path: Path) -> IO[str]:
     opener = _COMPRESSED.get(path.suffix)
     return opener(path, "rt") if opener else path.open()  # type: ignore[operator]
 
@@ -228,7 +228,7 @@ def _all_requests(entries: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def _claude_code(path: Path, p: TraceParams) -> SessionScript:
-    with _open(path) as f:
+    with open_trace(path) as f:
         doc = json.load(f)
     builder = _Builder(doc, p)
     return builder.session(builder.ns, doc, "main", 0.0)
@@ -238,7 +238,7 @@ def _mooncake(path: Path, p: TraceParams) -> list[SessionScript]:
     block = scaled(MOONCAKE_BLOCK, p.token_scale)
     stem = _name(path)[0]
     out: list[SessionScript] = []
-    with _open(path) as f:
+    with open_trace(path) as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue

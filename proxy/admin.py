@@ -12,8 +12,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from proxy import jsonio
+from proxy.admin_models import (
+    EngineList,
+    EngineRecord,
+    SessionPage,
+    SessionRecord,
+    SessionTreeNode,
+    SessionView,
+)
 from proxy.auth import Principal
 from proxy.console_models import Freed, OperationOutcome
 from proxy.errors import BadRequest, NotFound, StoreUnavailable
@@ -95,25 +104,27 @@ async def list_sessions(
         t_index, offset = t_index + 1, 0
         next_cursor = f"{t_index}:0" if t_index < len(tenants) and len(page) >= limit else None
     now = time.time()
-    return web.json_response(
-        {"object": "list", "data": [s.to_json(now) for s in page], "next_cursor": next_cursor}
-    )
+    body = SessionPage(data=[SessionRecord.of(s, now) for s in page], next_cursor=next_cursor)
+    return _answer(body)
 
 
-async def _tree(store: SessionStore, root: Session) -> dict[str, Any]:
+def _answer(body: BaseModel) -> web.Response:
+    """A model as the JSON answer: the wire format is the model's."""
+    return web.json_response(text=body.model_dump_json())
+
+
+async def _tree(store: SessionStore, root: Session) -> SessionTreeNode:
     """The session's subtree, breadth first, at most MAX_TREE_NODES nodes."""
-    nodes: dict[str, dict[str, Any]] = {
-        root.session_id: {"session_id": root.session_id, "state": root.state, "children": []}
-    }
+    nodes = {root.session_id: SessionTreeNode(session_id=root.session_id, state=root.state)}
     frontier, count = [root], 1
     while frontier and count < MAX_TREE_NODES:
         ids = [c for s in frontier for c in s.children][: MAX_TREE_NODES - count]
         found = [s for s in await store.get_many(root.tenant, ids) if s is not None]
         for child in found:
-            node = {"session_id": child.session_id, "state": child.state, "children": []}
+            node = SessionTreeNode(session_id=child.session_id, state=child.state)
             nodes[child.session_id] = node
             if child.parent in nodes:
-                nodes[child.parent]["children"].append(node)
+                nodes[child.parent].children.append(node)
         count += len(found)
         frontier = found
     return nodes[root.session_id]
@@ -128,11 +139,12 @@ async def get_session(
     session = await store.get(tenant, sid)
     if session is None:
         raise NotFound(f"no session {sid!r}", code="unknown_session")
-    body = session.to_json(time.time())
-    body["tree"] = await _tree(store, session)
-    if rt.retention is not None:
-        body["residency"] = await rt.retention.residency(session)
-    return web.json_response(body)
+    body = SessionView(
+        **SessionRecord.of(session, time.time()).model_dump(),
+        tree=await _tree(store, session),
+        residency=await rt.retention.residency(session) if rt.retention is not None else None,
+    )
+    return _answer(body)
 
 
 OPERATIONS = ("pin", "offload", "prefetch", "evict")
@@ -216,21 +228,21 @@ async def list_engines(request: web.Request) -> web.Response:
     rt.tenants.principal(request.headers, rt.settings.admin_token)  # any admin principal
     checks = request.app[HASH_CHECKS]  # the block-hash self-check (proxy/hashcheck.py)
     data = [
-        {
-            "name": e.name,
-            "url": e.url,
-            "healthy": e.healthy,
-            "inflight": e.inflight,
-            "last_error": e.last_error,
-            "last_check": e.last_check or None,
-            "models": e.models,
-            "events": e.spec.events,
-            "retention": rt.retention.engine_view(e.name) if rt.retention else None,
-            "hash_check": checks[e.name].to_json() if e.name in checks else None,
-        }
+        EngineRecord(
+            name=e.name,
+            url=e.url,
+            healthy=e.healthy,
+            inflight=e.inflight,
+            last_error=e.last_error,
+            last_check=e.last_check or None,
+            models=e.models,
+            events=e.spec.events,
+            retention=rt.retention.engine_view(e.name) if rt.retention else None,
+            hash_check=checks[e.name].view() if e.name in checks else None,
+        )
         for e in rt.pool.engines
     ]
-    return web.json_response({"object": "list", "data": data})
+    return _answer(EngineList(data=data))
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -21,7 +21,6 @@ from proxy.console_models import (
     EngineLoadView,
     RetentionCredit,
     SeriesPoint,
-    TierPins,
 )
 from proxy.runtime import RUNTIME, Runtime
 
@@ -115,11 +114,9 @@ CONSOLE_SERIES = web.AppKey("console_series", Series)
 
 def _engine(rt: Runtime, name: str, series: list[SeriesPoint], got: _Samples) -> ConsoleEngine:
     e = rt.pool.by_name[name]
-    view = rt.retention.engine_view(name) if rt.retention is not None else {}
-    es = rt.retention.engines.get(name) if rt.retention is not None else None
+    view = rt.retention.engine_view(name) if rt.retention is not None else None
     load = e.signals.load
-    over = view.get("overhead")
-    tier = view.get("tier_pinned")
+    over = view.overhead if view is not None else None
     served = [p for p in series if p.hit_rate is not None]
     return ConsoleEngine(
         name=name,
@@ -127,11 +124,11 @@ def _engine(rt: Runtime, name: str, series: list[SeriesPoint], got: _Samples) ->
         healthy=e.healthy,
         inflight=e.inflight,
         last_error=e.last_error,
-        retention=es is not None,
-        mode=view.get("mode"),
-        leader=view.get("leader"),
-        horizon_s=view.get("horizon_s"),
-        horizon_source=view.get("horizon_source"),
+        retention=view is not None,
+        mode=view.mode if view is not None else None,
+        leader=view.leader if view is not None else None,
+        horizon_s=view.horizon_s if view is not None else None,
+        horizon_source=view.horizon_source if view is not None else None,
         load=(
             EngineLoadView(
                 pool_blocks=load.pool_blocks,
@@ -142,20 +139,20 @@ def _engine(rt: Runtime, name: str, series: list[SeriesPoint], got: _Samples) ->
             if load is not None
             else None
         ),
-        resident_blocks=view.get("resident_blocks", {}),
+        resident_blocks=view.resident_blocks if view is not None else {},
         protected_sessions=int(got.total("kvkeeper_protected_sessions", name)),
         credit=(
             RetentionCredit(
-                max_share=over["max_share"],
-                credit_tokens=over["credit_tokens"],
-                recomputed_tokens=over["recomputed_tokens"],
-                declined=over["declined"],
+                max_share=over.max_share,
+                credit_tokens=over.credit_tokens,
+                recomputed_tokens=over.recomputed_tokens,
+                declined=over.declined,
             )
-            if isinstance(over, dict)
+            if over is not None
             else None
         ),
         touches={k: int(v) for k, v in got.by("kvkeeper_touches_total", name, "outcome").items()},
-        tier=TierPins(**tier) if isinstance(tier, dict) else None,
+        tier=view.tier_pinned if view is not None else None,
         hit_rate=(
             round(sum(p.hit_rate or 0.0 for p in served) / len(served), 4) if served else None
         ),

@@ -26,12 +26,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from adapters.base import EngineAdapter, EventSink
 from adapters.kv_events import GPU, BlockStored, EventBatch
+from proxy.admin_models import HashCheckView
 
 if TYPE_CHECKING:
     from proxy.engine_state import EngineState
@@ -53,8 +54,8 @@ class HashCheck:
     matched: int = 0
     mismatched: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "detail": self.detail, "checked_at": self.checked_at}
+    def view(self) -> HashCheckView:
+        return HashCheckView(status=self.status, detail=self.detail, checked_at=self.checked_at)
 
 
 HASH_CHECKS = web.AppKey("hash_checks", dict[str, HashCheck])

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from proxy.admin_models import EngineList, SessionPage, SessionView
 from proxy.console_models import (
     ConsoleEngines,
     ForestPage,
@@ -21,6 +22,9 @@ from proxy.hint_schema import AgentHintParams
 
 # models the admin and console handlers return: their schemas go to components/schemas
 _MODELS: tuple[type[BaseModel], ...] = (
+    SessionPage,
+    SessionView,
+    EngineList,
     ForestPage,
     ConsoleEngines,
     SessionDetail,
@@ -109,8 +113,9 @@ def _model_schemas() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for model in _MODELS:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        out.update(schema.pop("$defs", {}))
-        out[model.__name__] = schema
+        for name, sub in (*schema.pop("$defs", {}).items(), (model.__name__, schema)):
+            if out.setdefault(name, sub) != sub:  # two models of one name would shadow
+                raise RuntimeError(f"two different schemas named {name}")
     return out
 
 
@@ -189,7 +194,6 @@ def _ui_paths() -> dict[str, Any]:
 
 
 def document() -> dict[str, Any]:
-    session = {"$ref": "#/components/schemas/Session"}
     paths: dict[str, Any] = {
         "/v1/chat/completions": _proxied("OpenAI chat completions"),
         "/v1/completions": _proxied("OpenAI completions"),
@@ -227,16 +231,7 @@ def document() -> dict[str, Any]:
                     ),
                 ],
                 "responses": {
-                    "200": _resp(
-                        "A page of sessions",
-                        {
-                            "type": "object",
-                            "properties": {
-                                "data": {"type": "array", "items": session},
-                                "next_cursor": {"type": ["string", "null"]},
-                            },
-                        },
-                    ),
+                    "200": _resp("A page of sessions", _ref(SessionPage)),
                     **_errors(400, 401, 503),
                 },
             }
@@ -246,7 +241,10 @@ def document() -> dict[str, Any]:
                 "summary": "One session with its subtree, TTL left, engine and counters",
                 "security": [{"bearer": []}],
                 "parameters": [_SID, _TENANT],
-                "responses": {"200": _resp("The session", session), **_errors(401, 404, 503)},
+                "responses": {
+                    "200": _resp("The session", _ref(SessionView)),
+                    **_errors(401, 404, 503),
+                },
             },
             "delete": {
                 "summary": "Free a session; ?tree=true frees its subtree, children first",
@@ -310,7 +308,10 @@ def document() -> dict[str, Any]:
             "get": {
                 "summary": "Engines with health and load",
                 "security": [{"bearer": []}],
-                "responses": {"200": _resp("Engines"), **_errors(401)},
+                "responses": {
+                    "200": _resp("Engines with their retention state", _ref(EngineList)),
+                    **_errors(401),
+                },
             }
         },
         **_ui_paths(),
@@ -338,19 +339,6 @@ def document() -> dict[str, Any]:
                                 "code": {"type": ["string", "null"]},
                             },
                         }
-                    },
-                },
-                "Session": {
-                    "type": "object",
-                    "properties": {
-                        "session_id": {"type": "string"},
-                        "tenant": {"type": "string"},
-                        "state": {"type": "string"},
-                        "parent_session_id": {"type": ["string", "null"]},
-                        "children": {"type": "array", "items": {"type": "string"}},
-                        "engine": {"type": ["string", "null"]},
-                        "ttl_left_s": {"type": "number"},
-                        "counters": {"type": "object", "additionalProperties": {"type": "integer"}},
                     },
                 },
             },

@@ -22,7 +22,6 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from policy import (
     BudgetConfig,
@@ -34,7 +33,14 @@ from policy import (
     plan_budget,
     plan_touches,
 )
+from proxy.admin_models import (
+    EngineResidency,
+    GuardView,
+    RetentionView,
+    SessionResidency,
+)
 from proxy.block_cache import BlockCache
+from proxy.console_models import TierPins
 from proxy.engine_state import EngineState
 from proxy.guards import Guards
 from proxy.keys import SessionKey
@@ -330,13 +336,14 @@ class Retention:
                 self.metrics.expiries.inc()
 
     # --- views ------------------------------------------------------------------------------------
-    def engine_view(self, name: str) -> dict[str, Any]:
-        """What retention holds on one engine."""
+    def engine_view(self, name: str) -> RetentionView | None:
+        """What retention holds on one engine (None: it does not drive that engine)."""
         es = self.engines.get(name)
         if es is None:
-            return {}
-        view = es.signals.view()
-        view.update(
+            return None
+        guard = self.guards.view(name, time.time()) if self.guards is not None else None
+        return RetentionView(
+            **es.signals.view(),
             mode_note=(
                 "KV events: horizon from allocation rate and eviction ages"
                 if es.signals.has_events
@@ -345,25 +352,33 @@ class Retention:
             ),
             leader=bool(es.leader_token),
             offload_tier=es.tier is not None,
-            tier_pinned=self.tiers.pinned(name) if es.tier is not None else None,
+            tier_pinned=TierPins.model_validate(self.tiers.pinned(name))
+            if es.tier is not None
+            else None,
             touches_in_flight=len(es.in_flight),
             touch_latency_s=round(es.touch_latency.get(), 4),
             touch_deadline_s=round(self.touches.deadline_s, 3),
             touch_trimmed_blocks=es.trimmed_blocks,
-            guard=self.guards.view(name, time.time()) if self.guards is not None else None,
+            guard=GuardView.model_validate(guard) if guard is not None else None,
             scheduling_policy=getattr(es.adapter, "scheduling_policy", None),
             admission_priorities=bool(getattr(es.adapter, "prioritized", False)),
             pressure_overrides_now=len(es.overridden),
         )
-        return view
 
-    async def residency(self, session: Session) -> dict[str, Any]:
+    async def residency(self, session: Session) -> SessionResidency:
+        """Per engine: the leading blocks of the session's prompt resident per medium."""
         blocks = await self.blocks.blocks_of(key_of(session), session)
-        out: dict[str, Any] = {"blocks": len(blocks), "engines": {}}
-        for name, es in self.engines.items():
-            view: dict[str, Any] = es.signals.index.prefix_by_medium(blocks) if blocks else {}
-            out["engines"][name] = {"resident_prefix_blocks": view}
-        return out
+        return SessionResidency(
+            blocks=len(blocks),
+            engines={
+                name: EngineResidency(
+                    resident_prefix_blocks=es.signals.index.prefix_by_medium(blocks)
+                    if blocks
+                    else {}
+                )
+                for name, es in self.engines.items()
+            },
+        )
 
 
 def _value(session: Session, blocks: dict[SessionKey, tuple[int, ...]], now: float) -> float:

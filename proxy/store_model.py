@@ -68,26 +68,6 @@ class Session:
     def ttl_left(self, now: float) -> float:
         return max(0.0, self.ttl_until - now)
 
-    def to_json(self, now: float) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "tenant": self.tenant,
-            "state": self.state,
-            "parent_session_id": self.parent,
-            "children": list(self.children),
-            "agent": self.agent,
-            "engine": self.engine,
-            "created": self.created,
-            "last_seen": self.last_seen,
-            "ttl_s": self.ttl,
-            "ttl_left_s": round(self.ttl_left(now), 3),
-            "retention": self.retention,
-            "counters": self.counters,
-            "context_bytes": self.context_bytes,
-            "last_used": self.last_used or None,
-            "last_touch": self.last_touch or None,
-        }
-
 
 COUNTERS = (
     "requests",

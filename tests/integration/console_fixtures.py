@@ -88,9 +88,10 @@ async def _swarm(stack: ConsoleStack) -> None:
 
 @asynccontextmanager
 async def console_stack(
-    redis_url: str, namespace: str, tmp: Path, *, tier: bool = False
+    redis_url: str, namespace: str, tmp: Path, *, tier: bool = False, retention: bool = True
 ) -> AsyncIterator[ConsoleStack]:
-    """``tier``: the simulator serves an LMCache-shaped CPU tier and kvkeeper drives it."""
+    """``tier``: the simulator serves an LMCache-shaped CPU tier and kvkeeper drives it;
+    ``retention=False``: the retention layer is off."""
     tenants = tmp / "tenants.yaml"
     tenants.write_text(TENANTS_YAML)
     cfg = SimConfig(num_blocks=300, speed=30.0, reply_tokens=1, cpu_blocks=2000 if tier else 0)
@@ -103,7 +104,7 @@ async def console_stack(
             admin_token=ADMIN,
             tenants_file=tenants,
             health_interval_s=60,
-            retention={"tick_s": 0.1},
+            retention={"tick_s": 0.1, "enabled": retention},
         )
         client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings)))
         await client.start_server()

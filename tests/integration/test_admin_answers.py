@@ -1,0 +1,111 @@
+"""Every admin answer from a running kvkeeper (simulator engine, real Redis) is exactly its
+pydantic model and valid against the OpenAPI document's schema for that route."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel
+
+from proxy.admin_models import EngineList, SessionPage, SessionView
+from proxy.console_models import Freed, OperationOutcome
+from tests.helpers.redis_server import RedisServer
+from tests.integration.console_fixtures import TREE, ConsoleStack, console_stack
+
+
+async def _checked(
+    st: ConsoleStack, doc: dict[str, Any], method: str, route: str, path: str, **params: str
+) -> tuple[BaseModel, dict[str, Any]]:
+    """The answer to ``method path`` as its model, after checking it against the model and the
+    schema the document gives ``route``'s 200 answer."""
+    status, body = await st.admin(method, path, **params)
+    assert status == 200, body
+    schema = doc["paths"][route][method.lower()]["responses"]["200"]["content"]
+    schema = schema["application/json"]["schema"]
+    name = schema["$ref"].rsplit("/", 1)[1]
+    model = {
+        m.__name__: m for m in (SessionPage, SessionView, EngineList, Freed, OperationOutcome)
+    }[name]
+    parsed = model.model_validate(body)
+    # exactly the model: no key it lacks, none missing, same values
+    exclude_none = model is OperationOutcome  # that answer leaves out what does not apply
+    assert parsed.model_dump(mode="json", exclude_none=exclude_none) == body
+    jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(body)
+    return parsed, body
+
+
+async def test_admin_answers_are_their_models_and_match_the_document(
+    redis_server: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    async with console_stack(redis_server.url, namespace, tmp_path, tier=True) as st:
+        doc = await (await st.client.get("/openapi.json")).json()
+
+        # paged (the swarm reorders the newest-first index meanwhile: only the shape is checked)
+        first, _ = await _checked(st, doc, "GET", "/admin/sessions", "/admin/sessions", limit="3")
+        assert isinstance(first, SessionPage) and len(first.data) == 3
+        assert first.next_cursor is not None
+        nxt, _ = await _checked(
+            st,
+            doc,
+            "GET",
+            "/admin/sessions",
+            "/admin/sessions",
+            limit="3",
+            cursor=first.next_cursor,
+        )
+        assert isinstance(nxt, SessionPage) and nxt.data
+        whole, _ = await _checked(st, doc, "GET", "/admin/sessions", "/admin/sessions")
+        assert isinstance(whole, SessionPage) and whole.next_cursor is None
+        assert sorted(s.session_id for s in whole.data) == sorted(sid for _, sid, *_ in TREE)
+        assert {s.tenant for s in whole.data} == {"a", "b"}
+
+        one, body = await _checked(
+            st, doc, "GET", "/admin/sessions/{session_id}", "/admin/sessions/lead-a", tenant="a"
+        )
+        assert isinstance(one, SessionView)
+        assert (one.session_id, one.tenant, one.agent) == ("lead-a", "a", "planner")
+        assert one.counters.requests >= 1 and one.counters.prompt_tokens > 0
+        kids = {c.session_id: c for c in one.tree.children}
+        assert set(kids) == {"a-w1", "a-w2"} and kids["a-w1"].children[0].session_id == "a-w1-x"
+        assert one.residency is not None and one.residency.blocks > 0
+        assert set(one.residency.engines) == {one.engine}
+        assert body["residency"]["engines"][one.engine]["resident_prefix_blocks"]["GPU"] > 0
+
+        engines, _ = await _checked(st, doc, "GET", "/admin/engines", "/admin/engines")
+        assert isinstance(engines, EngineList) and len(engines.data) == 1
+        e = engines.data[0]
+        assert e.healthy and e.events and e.hash_check is not None
+        assert e.retention is not None and e.retention.offload_tier
+        assert e.retention.tier_pinned is not None and e.retention.guard is not None
+        assert e.retention.mode in ("events", "feedback") and e.retention.block_size > 0
+
+        # the actions the console calls answer their models too
+        op, _ = await _checked(
+            st,
+            doc,
+            "POST",
+            "/admin/sessions/{session_id}/{op}",
+            "/admin/sessions/job-1/offload",
+            tenant="a",
+        )
+        assert isinstance(op, OperationOutcome) and op.operation == "offload"
+        freed, _ = await _checked(
+            st, doc, "DELETE", "/admin/sessions/{session_id}", "/admin/sessions/job-2", tenant="a"
+        )
+        assert isinstance(freed, Freed) and freed.freed == ["job-2"]
+
+
+async def test_without_retention_the_answers_say_so(
+    redis_server: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    async with console_stack(redis_server.url, namespace, tmp_path, retention=False) as st:
+        doc = await (await st.client.get("/openapi.json")).json()
+        one, body = await _checked(
+            st, doc, "GET", "/admin/sessions/{session_id}", "/admin/sessions/lead-b", tenant="b"
+        )
+        assert isinstance(one, SessionView) and one.residency is None
+        assert body["residency"] is None and body["tree"]["children"][0]["session_id"] == "b-w1"
+        engines, _ = await _checked(st, doc, "GET", "/admin/engines", "/admin/engines")
+        assert isinstance(engines, EngineList) and engines.data[0].retention is None

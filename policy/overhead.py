@@ -13,7 +13,17 @@ admitted in one tick cannot spend the same credit twice) and settled against wha
 reported once the request ends. A touch that recomputed more than reserved leaves the credit
 negative: nothing more is admitted until served traffic pays it back. Over any stretch of
 traffic the recompute therefore stays within ``share`` x served + ``burst_tokens``, plus what
-the requests in flight at its end overshoot their estimates.
+the requests in flight at its end overshoot their estimates, plus what was forgiven (below).
+
+One accident must not silence retention for the rest of a run (a touch that raced LRU once
+recomputed 44K tokens against a 4K bucket: 40K of debt at 1% of served tokens took longer to
+repay than the run lasted). So the debt is capped at one bucket (``-burst_tokens``): what a
+request recomputed beyond that is ``forgiven`` here, counted, and charged in full to the
+retention guard (``policy.guard``), which judges retention by what it bought rather than by
+one request. And a touch is priced at most one bucket: its kind's estimate learns from each
+recompute clipped at the bucket's size, and admission reserves at most that. Unclipped, one
+44K outlier put the estimate at 8.8K, past what a full bucket holds: no touch was admitted
+again, so none could teach the estimate that touches cost one token.
 
 A touch's cost is not known in advance (it depends on what LRU takes while it waits), so the
 budget keeps a running estimate per kind of touch: an exponentially weighted mean of recent
@@ -56,7 +66,15 @@ class OverheadConfig:
 class OverheadBudget:
     """One engine's retention budget (see the module docstring)."""
 
-    __slots__ = ("_initial_estimate", "config", "credit", "declined", "estimates", "spent")
+    __slots__ = (
+        "_initial_estimate",
+        "config",
+        "credit",
+        "declined",
+        "estimates",
+        "forgiven",
+        "spent",
+    )
 
     def __init__(self, config: OverheadConfig | None = None, touch_estimate: float = 1.0) -> None:
         self.config = config or OverheadConfig()
@@ -65,6 +83,7 @@ class OverheadBudget:
         self.estimates: dict[str, float] = {}  # kind of touch -> running recompute estimate
         self.spent = 0.0  # recomputed tokens settled so far
         self.declined = 0  # admissions refused so far
+        self.forgiven = 0.0  # recompute beyond the debt cap (the guard was charged with it)
 
     def estimate(self, kind: str = SESSION_TOUCH) -> float:
         """The running recompute estimate of one kind of touch."""
@@ -100,9 +119,9 @@ class OverheadBudget:
         return True
 
     def admit_touch(self, kind: str = SESSION_TOUCH) -> float | None:
-        """Admit a touch of ``kind`` at its running estimate; the amount reserved, or None if
-        declined."""
-        cost = math.ceil(self.estimate(kind))
+        """Admit a touch of ``kind`` at its running estimate, capped at the bucket's size (a
+        full bucket always admits one); the amount reserved, or None if declined."""
+        cost = min(math.ceil(self.estimate(kind)), max(1, math.floor(self.config.burst_tokens)))
         return float(cost) if self.admit(cost) else None
 
     def settle(
@@ -112,9 +131,15 @@ class OverheadBudget:
         tokens (0 when abandoned before it ran); a touch also updates its kind's estimate."""
         actual = max(0.0, recomputed)
         self.spent += actual
-        if touch:
+        if touch:  # priced at most one bucket (module docstring)
+            sample = min(actual, max(1.0, self.config.burst_tokens))
             old = self.estimate(kind)
-            self.estimates[kind] = max(1.0, ewma(old, actual, self.config.touch_alpha))
+            self.estimates[kind] = max(1.0, ewma(old, sample, self.config.touch_alpha))
         if self.config.share is None:
             return
-        self.credit = min(self.config.burst_tokens, self.credit + reserved - actual)
+        credit = min(self.config.burst_tokens, self.credit + reserved - actual)
+        floor = -self.config.burst_tokens  # the most debt there may be (module docstring)
+        if credit < floor:
+            self.forgiven += floor - credit
+            credit = floor
+        self.credit = credit

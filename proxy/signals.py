@@ -265,6 +265,8 @@ class EngineSignals:
                 "credit_tokens": round(o.credit, 1),
                 "touch_estimate_tokens": round(o.touch_estimate, 1),
                 "recomputed_tokens": int(o.spent),
+                # beyond the one bucket of debt an accident may leave (charged to the guard)
+                "forgiven_tokens": int(o.forgiven),
                 "declined": o.declined,
             },
         }

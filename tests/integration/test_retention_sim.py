@@ -14,6 +14,7 @@ import proxy.forward
 import proxy.retention
 from adapters.base import AdapterError
 from policy.guard import GuardConfig
+from policy.overhead import OverheadBudget, OverheadConfig
 from proxy.block_cache import PRUNE_EVERY_S
 from proxy.keys import SessionKey
 from tests.helpers.redis_server import RedisServer
@@ -491,6 +492,67 @@ async def test_the_guard_credits_the_hits_a_warm_up_bought(
         view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
         guard_view = view["data"][0]["retention"]["guard"]
         assert guard_view["state"] == "active" and guard_view["bought_tokens"] >= 0.95 * FULL
+
+
+async def test_one_huge_touch_recompute_does_not_silence_retention(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """The engine loses a protected session's prefix before kvkeeper hears of it (its cache is
+    reset; the event waits for the engine's next step), as when a touch races LRU: the touch
+    re-prefills all 2,017 tokens, seven buckets' worth. The bucket keeps one bucket of debt,
+    the guard is charged the whole recompute, and once traffic has paid the debt touches are
+    admitted again, at one recomputed token each. (Before: the outlier priced every later
+    touch above what a full bucket holds, so none was sent for the rest of the run.)"""
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:  # ticks by hand
+        await _protected(st, "s")
+        await _known_blocks(st, "s")
+        retention, es = _engine_state(st)
+        key = SessionKey("default", "s")
+        session = await retention.store.get("default", "s")
+        assert session is not None
+        blocks = await retention.blocks.blocks_of(key, session)
+
+        async def resident() -> bool:
+            return es.signals.resident(blocks) == len(blocks)
+
+        assert await wait_for(resident), "the session's blocks were never reported stored"
+        budget = es.signals.overhead = OverheadBudget(OverheadConfig(share=0.5, burst_tokens=300))
+
+        async def touched() -> float:
+            """One retention pass over the session (due now); its touch's recompute, or -1
+            when it was declined over budget."""
+            declined = budget.declined
+            retention._touch(es, [session], {key: blocks}, 0.0, time.time())
+            if budget.declined > declined:
+                return -1.0
+            assert key in es.in_flight
+
+            async def done() -> bool:
+                return key not in es.in_flight
+
+            assert await wait_for(done), "the touch never ended"
+            return await st.metric("kvkeeper_touch_recomputed_tokens_total")
+
+        assert await touched() <= BLOCK  # resident: the touch recomputes its last token
+        assert st.sim.engine.reset_prefix_cache()
+        before = await st.metric("kvkeeper_touch_recomputed_tokens_total")
+        assert await touched() - before >= FULL  # the accident
+        assert budget.credit == -300 and budget.forgiven > 1000
+        guard = retention.guards.view(es.name, time.time()) if retention.guards else {}
+        assert guard["total_cost_tokens"] >= FULL and guard["state"] == "active"
+        assert await wait_for(resident), "the re-prefilled blocks were never reported stored"
+        assert await touched() == -1.0  # in debt: declined until traffic pays
+        for i in range(4):  # 1,604 prompt tokens served: half of them earn credit
+            await st.complete(prompt(500 + i, n=401))
+        await es.signals.scrape(time.time(), max_age_s=0.0)
+        for _ in range(3):  # touches run again, each at one recomputed token
+            before = await st.metric("kvkeeper_touch_recomputed_tokens_total")
+            after = await touched()
+            assert after >= 0, (budget.credit, budget.touch_estimate)
+            assert after - before <= BLOCK
+            await st.complete(prompt(600, n=401))
+            await es.signals.scrape(time.time(), max_age_s=0.0)
+        assert budget.touch_estimate < 0.5 * budget.config.burst_tokens
 
 
 async def test_prefetch_without_a_tier_warms_only_what_fits(

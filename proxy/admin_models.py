@@ -104,6 +104,10 @@ class OverheadView(BaseModel):
     credit_tokens: float
     touch_estimate_tokens: float
     recomputed_tokens: int
+    forgiven_tokens: int = Field(
+        description="recompute beyond the one bucket of debt an accident may leave (the "
+        "guard is charged with it)"
+    )
     declined: int
 
 

@@ -1,10 +1,11 @@
 """The models of the admin REST answers (``/admin/sessions``, ``/admin/sessions/{id}``,
-``/admin/engines``): the handlers build their JSON from them and ``proxy/openapi.py`` describes
-the routes with their JSON schemas. The console's own answers are in ``proxy/console_models.py``."""
+``/admin/engines``), of the probes and of a management request's answer: the handlers build their
+JSON from them and ``proxy/openapi.py`` describes the routes with their JSON schemas. The
+console's own answers are in ``proxy/console_models.py``."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -174,3 +175,35 @@ class EngineRecord(BaseModel):
 class EngineList(BaseModel):
     object: Literal["list"] = "list"
     data: list[EngineRecord]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    ready: bool = Field(description="at least one engine passed its last health check")
+    engines_ready: int
+    engines_total: int
+    redis: bool = Field(description="the session store answers (does not gate readiness)")
+    engines: dict[str, bool] | None = Field(
+        default=None,
+        description="per engine address: healthy; only for the admin token or expose_engines",
+    )
+
+
+class EditOutcome(BaseModel):
+    type: str = Field(description="offload | prefetch | evict")
+    status: str = Field(description="applied | unsupported | rejected | failed")
+    block_start: int | None = None
+    block_end: int | None = None
+    reason: str | None = None
+    detail: dict[str, Any] | None = None
+
+
+class ManagementResult(BaseModel):
+    """The answer to a ``manage_request: true`` hint: its edits ran, no model was called."""
+
+    object: Literal["kvkeeper.management"] = "kvkeeper.management"
+    session_id: str
+    results: list[EditOutcome]

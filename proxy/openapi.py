@@ -10,7 +10,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from proxy.admin_models import EngineList, SessionPage, SessionView
+from proxy.admin_models import (
+    EngineList,
+    Health,
+    ManagementResult,
+    Readiness,
+    SessionPage,
+    SessionView,
+)
 from proxy.console_models import (
     ConsoleEngines,
     ForestPage,
@@ -25,6 +32,9 @@ _MODELS: tuple[type[BaseModel], ...] = (
     SessionPage,
     SessionView,
     EngineList,
+    Health,
+    Readiness,
+    ManagementResult,
     ForestPage,
     ConsoleEngines,
     SessionDetail,
@@ -78,7 +88,11 @@ def _proxied(summary: str) -> dict[str, Any]:
                 }
             },
             "responses": {
-                "200": _resp("The engine's response (JSON or SSE), or a management result"),
+                "200": _resp(
+                    "The engine's response (JSON or SSE), or, for a manage_request hint, the "
+                    "management result",
+                    {"anyOf": [_ref(ManagementResult), {"description": "the engine's answer"}]},
+                ),
                 **_errors(400, 401),
                 "502": _resp("No engine could take the request", _ERROR),
             },
@@ -202,12 +216,17 @@ def document() -> dict[str, Any]:
         "/v1/models": {
             "get": {"summary": "Models merged across engines", "responses": {"200": _resp("List")}}
         },
-        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": _resp("Alive")}}},
+        "/healthz": {
+            "get": {"summary": "Liveness", "responses": {"200": _resp("Alive", _ref(Health))}}
+        },
         "/{tail}": _relayed(),
         "/readyz": {
             "get": {
                 "summary": "Readiness: at least one engine healthy",
-                "responses": {"200": _resp("Ready"), "503": _resp("Not ready")},
+                "responses": {
+                    "200": _resp("Ready", _ref(Readiness)),
+                    "503": _resp("Not ready", _ref(Readiness)),
+                },
             }
         },
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": _resp("Text")}}},

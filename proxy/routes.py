@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.access import access_info
+from proxy.admin_models import EditOutcome, Health, ManagementResult, Readiness
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable
 from proxy.forward import HINT_HEADER, Outbound, forward
@@ -135,13 +135,11 @@ async def _manage(rt: Runtime, tenant: str, hint: Hint) -> web.Response:
     results = await rt.edits.apply(tenant, hint.session_id, hint.edits)
     for r in results:
         rt.metrics.edits.labels(r.edit.type, r.status).inc()
-    body = {
-        "object": "kvkeeper.management",
-        "session_id": hint.session_id,
-        "results": [r.to_json() for r in results],
-    }
+    body = ManagementResult(
+        session_id=hint.session_id, results=[EditOutcome(**r.to_json()) for r in results]
+    )
     headers = {HINT_HEADER: "accepted", "X-KVKeeper-Edits": outcome_header(results)}
-    return web.json_response(body, headers=headers)
+    return web.json_response(text=body.model_dump_json(exclude_none=True), headers=headers)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -151,7 +149,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response(text=Health().model_dump_json())
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -162,15 +160,16 @@ async def readyz(request: web.Request) -> web.Response:
     engines = {e.name: e.healthy for e in rt.pool.engines}
     redis_ok = rt.store is not None and await rt.store.ping()
     ready = any(engines.values())
-    body: dict[str, Any] = {
-        "ready": ready,
-        "engines_ready": sum(engines.values()),
-        "engines_total": len(engines),
-        "redis": redis_ok,
-    }
-    if engine_visible(request):
-        body["engines"] = engines
-    return web.json_response(body, status=200 if ready else 503)
+    body = Readiness(
+        ready=ready,
+        engines_ready=sum(engines.values()),
+        engines_total=len(engines),
+        redis=redis_ok,
+        engines=engines if engine_visible(request) else None,
+    )
+    return web.json_response(
+        text=body.model_dump_json(exclude_none=True), status=200 if ready else 503
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
-"""Every admin answer from a running kvkeeper (simulator engine, real Redis) is exactly its
-pydantic model and valid against the OpenAPI document's schema for that route."""
+"""Every admin answer (and the probes' and a management request's) from a running kvkeeper
+(simulator engine, real Redis) is exactly its pydantic model and valid against the OpenAPI
+document's schema for that route."""
 
 from __future__ import annotations
 
@@ -9,31 +10,63 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel
 
-from proxy.admin_models import EngineList, SessionPage, SessionView
+from proxy.admin_models import (
+    EngineList,
+    Health,
+    ManagementResult,
+    Readiness,
+    SessionPage,
+    SessionView,
+)
 from proxy.console_models import Freed, OperationOutcome
 from tests.helpers.redis_server import RedisServer
-from tests.integration.console_fixtures import TREE, ConsoleStack, console_stack
+from tests.integration.console_fixtures import (
+    ADMIN,
+    KEYS,
+    TREE,
+    ConsoleStack,
+    console_stack,
+    tokens,
+)
+
+MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m
+    for m in (
+        SessionPage,
+        SessionView,
+        EngineList,
+        Freed,
+        OperationOutcome,
+        Health,
+        Readiness,
+        ManagementResult,
+    )
+}
+SPARSE = (OperationOutcome, Readiness, ManagementResult)  # leave out what does not apply
+
+
+def _conforms(doc: dict[str, Any], route: str, method: str, status: int, body: Any) -> BaseModel:
+    """``body`` as its model, after checking that it is exactly that model and valid against
+    the schema the document gives ``route``'s answer with ``status``."""
+    schema = doc["paths"][route][method.lower()]["responses"][str(status)]["content"]
+    schema = schema["application/json"]["schema"]
+    jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(body)
+    refs = [schema, *schema.get("anyOf", ())]
+    name = next(r["$ref"] for r in refs if "$ref" in r).rsplit("/", 1)[1]
+    model = MODELS[name]
+    parsed = model.model_validate(body)
+    # exactly the model: no key it lacks, none missing, same values
+    assert parsed.model_dump(mode="json", exclude_none=model in SPARSE) == body
+    return parsed
 
 
 async def _checked(
     st: ConsoleStack, doc: dict[str, Any], method: str, route: str, path: str, **params: str
 ) -> tuple[BaseModel, dict[str, Any]]:
-    """The answer to ``method path`` as its model, after checking it against the model and the
-    schema the document gives ``route``'s 200 answer."""
+    """The admin answer to ``method path``, checked by ``_conforms``."""
     status, body = await st.admin(method, path, **params)
     assert status == 200, body
-    schema = doc["paths"][route][method.lower()]["responses"]["200"]["content"]
-    schema = schema["application/json"]["schema"]
-    name = schema["$ref"].rsplit("/", 1)[1]
-    model = {
-        m.__name__: m for m in (SessionPage, SessionView, EngineList, Freed, OperationOutcome)
-    }[name]
-    parsed = model.model_validate(body)
-    # exactly the model: no key it lacks, none missing, same values
-    exclude_none = model is OperationOutcome  # that answer leaves out what does not apply
-    assert parsed.model_dump(mode="json", exclude_none=exclude_none) == body
-    jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(body)
-    return parsed, body
+    return _conforms(doc, route, method, status, body), body
 
 
 async def test_admin_answers_are_their_models_and_match_the_document(
@@ -109,3 +142,30 @@ async def test_without_retention_the_answers_say_so(
         assert body["residency"] is None and body["tree"]["children"][0]["session_id"] == "b-w1"
         engines, _ = await _checked(st, doc, "GET", "/admin/engines", "/admin/engines")
         assert isinstance(engines, EngineList) and engines.data[0].retention is None
+
+
+async def test_probes_and_management_answers_match_the_document(
+    redis_server: RedisServer, namespace: str, tmp_path: Path
+) -> None:
+    async with console_stack(redis_server.url, namespace, tmp_path) as st:
+        doc = await (await st.client.get("/openapi.json")).json()
+        resp = await st.client.get("/healthz")
+        assert isinstance(_conforms(doc, "/healthz", "GET", 200, await resp.json()), Health)
+        resp = await st.client.get("/readyz")
+        ready = _conforms(doc, "/readyz", "GET", resp.status, await resp.json())
+        assert isinstance(ready, Readiness) and ready.ready and ready.redis
+        assert ready.engines is None  # engine addresses only for the admin
+        resp = await st.client.get("/readyz", headers={"Authorization": f"Bearer {ADMIN}"})
+        ready = _conforms(doc, "/readyz", "GET", resp.status, await resp.json())
+        assert isinstance(ready, Readiness) and ready.engines and all(ready.engines.values())
+
+        edits = [{"type": "prefetch"}, {"type": "evict", "block_start": 0, "block_end": 2}]
+        hint = {"session_id": "job", "context_management": {"manage_request": True, "edits": edits}}
+        body = {"model": "sim", "prompt": tokens(1), "max_tokens": 1, "agent_hint": hint}
+        resp = await st.client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['a']}"}
+        )
+        assert resp.status == 200
+        got = _conforms(doc, "/v1/completions", "POST", 200, await resp.json())
+        assert isinstance(got, ManagementResult) and got.session_id == "job"
+        assert [(r.type, r.block_start) for r in got.results] == [("prefetch", None), ("evict", 0)]

@@ -1,10 +1,11 @@
 """Run metrics: per-run summary, hit rate over time, and kvkeeper's retention counters.
 
 ``summarize(result)`` gives, over successful model calls: the token-weighted prefix-cache hit
-rate (cached / prompt tokens from ``usage``), recomputed prompt tokens, TTFT and per-turn latency
-(mean/p50/p90/p99), throughput, job completion time of root sessions, management-request
-outcomes, and kvkeeper's retention overhead (prompt tokens recomputed by touches and warm-ups,
-read from its ``/metrics`` before and after the run).
+rate (cached / prompt tokens from ``usage``), recomputed prompt tokens, TTFT (wall clock, and
+engine time: :func:`engine_time_ttft`) and per-turn latency (mean/p50/p90/p99), throughput, job
+completion time of root sessions, management-request outcomes, and kvkeeper's retention
+overhead (prompt tokens recomputed by touches and warm-ups, read from its ``/metrics`` before
+and after the run).
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def stats(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
+def engine_time_ttft(rec: RequestRecord) -> float | None:
+    """The client's TTFT with the engine's part at its profile's speed: a simulator run ``S``
+    times faster than its profile compresses the engine's time but not the proxy's, network's
+    or client's, so ``ttft + (S - 1) x the engine's own wall time to the first token``. Equal
+    to ``ttft`` where the engine did not report its time (a real engine) or ``S`` is 1."""
+    if rec.ttft is None or rec.engine_ttft is None:
+        return rec.ttft
+    return rec.ttft + (rec.engine_speed - 1.0) * rec.engine_ttft
+
+
 def ok_requests(result: RunResult) -> list[RequestRecord]:
     return [r for r in result.requests if r.error is None]
 
@@ -105,6 +116,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "throughput_tokens_s": (prompt + output) / duration,
         "output_tokens_s": output / duration,
         "ttft": stats([r.ttft for r in ok if r.ttft is not None]),
+        "ttft_engine_time": stats([t for r in ok if (t := engine_time_ttft(r)) is not None]),
         "turn_latency": stats([r.latency for r in ok]),
         "queue_delay": stats([max(0.0, r.t_start - r.t_sched) for r in ok]),
         "job_completion": stats(job_completion_times(result)),

@@ -28,6 +28,10 @@ class RequestRecord:
     status: int = 0
     error: str | None = None
     response_id: str | None = None  # the engine's id of the answer (the simulator's names it)
+    # the simulator only (usage.sim_engine_ttft_s / sim_speed): the engine's own wall seconds
+    # from arrival to first token, and how many times faster than its profile it ran
+    engine_ttft: float | None = None
+    engine_speed: float = 1.0
 
     @property
     def latency(self) -> float:

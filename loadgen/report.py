@@ -27,6 +27,8 @@ _COLUMNS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("TTFT p50", ("ttft", "p50"), "s"),
     ("TTFT p90", ("ttft", "p90"), "s"),
     ("TTFT p99", ("ttft", "p99"), "s"),
+    ("engine-time TTFT mean", ("ttft_engine_time", "mean"), "s"),
+    ("engine-time TTFT p90", ("ttft_engine_time", "p90"), "s"),
     ("turn latency mean", ("turn_latency", "mean"), "s"),
     ("job completion mean", ("job_completion", "mean"), "s"),
     ("req/s", ("throughput_rps",), "{:.2f}"),

@@ -319,6 +319,9 @@ def _apply_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:
         rec.completion_tokens = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
         rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        engine_s, speed = usage.get("sim_engine_ttft_s"), usage.get("sim_speed")
+        if isinstance(engine_s, int | float) and isinstance(speed, int | float) and speed > 0:
+            rec.engine_ttft, rec.engine_speed = float(engine_s), float(speed)
 
 
 def render_messages(prompt: tuple[Segment, ...]) -> list[dict[str, str]]:

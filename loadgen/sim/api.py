@@ -24,6 +24,9 @@ ENGINE = web.AppKey("engine", SimEngine)
 TOKENIZER = web.AppKey("tokenizer", SimTokenizer)
 MODEL = web.AppKey("model", str)
 REPLY = web.AppKey("reply", list[int])
+# simulator-only usage fields (see :func:`usage`)
+SIM_ENGINE_TTFT = "sim_engine_ttft_s"
+SIM_SPEED = "sim_speed"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -158,13 +161,22 @@ async def collect(request: web.Request, req: SimRequest) -> list[int]:
 
 
 def usage(req: SimRequest) -> dict[str, Any]:
+    """vLLM's usage block, plus two simulator-only fields (no real engine sends them):
+    ``sim_engine_ttft_s``, the wall seconds from the request's arrival in the engine to its
+    first token (queueing and prefill; parsing the body and streaming the chunk are outside),
+    and ``sim_speed``, how many times faster than its profile the engine ran. A benchmark
+    scales the engine's part back to the profile's speed with them (``loadgen.metrics``)."""
     prompt, completion = req.prompt_len, len(req.output_ids)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": max(req.num_cached_tokens, 0)},
     }
+    if req.first_token_at is not None:
+        out[SIM_ENGINE_TTFT] = round(req.first_token_at - req.arrival, 6)
+        out[SIM_SPEED] = req.speed
+    return out
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:

@@ -84,6 +84,7 @@ class SimRequest:
     reply: list[int]
     arrival: float
     priority: int = 0  # lower is served first under the priority policy; ignored under FCFS
+    speed: float = 1.0  # the engine's ``speed`` (its wall times are its profile's / speed)
     outputs: asyncio.Queue[int | Finished] = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # set at first scheduling (usage.cached_tokens)
@@ -249,6 +250,7 @@ class SimEngine:
             reply=reply or [0],
             arrival=asyncio.get_running_loop().time(),
             priority=priority,
+            speed=self.config.speed,
         )
         self.kv.hasher.update(seq)  # hash once at arrival, like vLLM's request.block_hashes
         self.waiting.add(req)

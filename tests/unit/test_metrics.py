@@ -8,6 +8,7 @@ import pytest
 
 from loadgen.metrics import (
     counter_delta,
+    engine_time_ttft,
     hit_rate_over_time,
     parse_counters,
     percentile,
@@ -134,3 +135,30 @@ def test_report_writes_table_and_plots(tmp_path: Path) -> None:
         data = (tmp_path / "rep" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert (tmp_path / "rep" / "summary.json").exists()
+
+
+def test_engine_time_ttft_scales_only_the_engines_part() -> None:
+    rec = _req("s1", 0.0, 1.0, 0.30, 1000, 0)
+    assert engine_time_ttft(rec) == 0.30  # no engine time reported (a real engine): as measured
+    rec.engine_ttft, rec.engine_speed = 0.10, 10.0
+    # 0.20 s outside the engine stay; the engine's 0.10 s are 1.0 s at the profile's speed
+    assert engine_time_ttft(rec) == pytest.approx(0.30 + 9 * 0.10)
+    rec.engine_speed = 1.0
+    assert engine_time_ttft(rec) == 0.30
+    rec.ttft = None
+    assert engine_time_ttft(rec) is None
+
+
+def test_summary_gives_both_ttfts() -> None:
+    res = _result()
+    assert summarize(res)["ttft_engine_time"] == summarize(res)["ttft"]  # no engine times
+    for r in res.requests:
+        r.engine_ttft, r.engine_speed = 0.05, 3.0
+    s = summarize(res)
+    assert s["ttft_engine_time"]["mean"] == pytest.approx(s["ttft"]["mean"] + 2 * 0.05)
+    assert s["ttft_engine_time"]["max"] == pytest.approx(2.0 + 0.1)
+    # records saved before the field existed still load (defaults)
+    doc = res.to_json()
+    for r in doc["requests"]:
+        del r["engine_ttft"], r["engine_speed"]
+    assert summarize(RunResult.from_json(doc))["ttft_engine_time"] == summarize(_result())["ttft"]

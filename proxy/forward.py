@@ -188,7 +188,7 @@ async def _send(
     whether usage was asked for on the client's behalf)."""
     request = out.request
     # a stream that did not ask for usage asks for it here (dropped again on the way back)
-    with_usage = ask_for_usage(request.path, out.body, None)
+    with_usage = ask_for_usage(request.path, out.body, out.json_body)
     sent = out.body if with_usage is None else with_usage
     try:
         sent_at = time.perf_counter()

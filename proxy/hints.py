@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from proxy import jsonio
 from proxy.errors import BadRequest
+from proxy.hint_bytes import split_last_agent_hint
 from proxy.hint_schema import RFC_MAX_TTL, AgentHintParams, EditType
 from proxy.settings import Limits
 
@@ -356,6 +357,11 @@ def parse_request(
     draft = _Draft(limits)
     body: dict[str, Any] | None = None
     fast = True
+    if might_carry_body_hint(raw) and (split := split_last_agent_hint(raw)) is not None:
+        value, stripped = split  # a large body, hint last: only the hint is parsed
+        _agent_hint(draft, value)
+        _headers(draft, headers)
+        return ParsedRequest(hint=draft.finish(), body=stripped, json_body=None)
     if might_carry_body_hint(raw):
         try:
             parsed, fast = jsonio.loads_exact(raw)

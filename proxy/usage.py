@@ -33,10 +33,12 @@ def ask_for_usage(route: str, body: bytes, parsed: dict[str, Any] | None) -> byt
     client wrote it. Requests that set ``stream_options`` themselves are left alone. The relay
     then drops the one extra usage chunk (:class:`UsageSniffer` ``strip_usage``), so the client
     receives what the engine would have sent it without the option."""
-    if route not in USAGE_OPTIONAL_ROUTES or _STREAM_TRUE.search(body) is None:
+    if route not in USAGE_OPTIONAL_ROUTES or (found := _STREAM_TRUE.search(body)) is None:
         return None
     if b'"stream_options"' in body:
         return None
+    if parsed is None and _outermost(body, found.start(), found.end()):
+        parsed = {"stream": True}  # the one "stream" member, of the outermost object
     if parsed is None:  # "stream": true may be a nested key: only the top level counts
         try:  # orjson alone: the values are only looked at, never written back
             parsed = orjson.loads(body)
@@ -51,6 +53,22 @@ def ask_for_usage(route: str, body: bytes, parsed: dict[str, Any] | None) -> byt
     if start < 0 or not body[start + 1 :].strip().startswith(b'"'):
         return None
     return body[: start + 1] + _INCLUDE_USAGE + body[start + 1 :]
+
+
+def _outermost(body: bytes, start: int, end: int) -> bool:
+    """Whether the member at ``body[start:end]`` (an unescaped ``"stream"`` key: a member of
+    some object) is the only ``"stream"`` and belongs to the outermost object, seen from the
+    bytes alone: no ``{`` or ``[`` before it but the body's first (nothing can have opened a
+    nested value), or no ``}`` or ``]`` after it but the body's last (nothing can close one).
+    False when unsure; the caller then parses the body."""
+    if body.count(b'"stream"') != 1 or body[start - 1 : start] == b"\\":
+        return False  # a duplicate key (the last one wins), or the quote may be escaped
+    head = body.lstrip()
+    if not head.startswith(b"{") or not body.rstrip().endswith(b"}"):
+        return False
+    if body.count(b"{", 0, start) == 1 and body.find(b"[", 0, start) < 0:
+        return True
+    return body.count(b"}", end) == 1 and body.find(b"]", end) < 0
 
 
 def _int(value: Any) -> int:

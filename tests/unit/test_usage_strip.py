@@ -25,6 +25,18 @@ def test_ask_for_usage_only_for_top_level_streams_without_options() -> None:
     own = b'{"stream":true,"stream_options":{"include_usage":false},"messages":[]}'
     assert ask_for_usage(CHAT, own, None) is None
     assert ask_for_usage("/v1/messages", body, None) is None
+    # told from the bytes alone where they say it (the body is not parsed), else parsed
+    ids = b'"prompt":[' + b",".join(b"%d" % i for i in range(2000)) + b"]"
+    for shape in (b'{"stream":true,' + ids + b"}", b'{"model":"m",' + ids + b', "stream" : true}'):
+        assert json.loads(ask_for_usage("/v1/completions", shape, None) or b"")["stream_options"]
+    for shape in (
+        b'{"a":{"b":1},' + ids + b',"x":{"stream":true},"y":[1]}',  # nested, both sides
+        b'{"stream":true,' + ids + b',"stream":false}',  # a duplicate key: the last one wins
+        b'{"k\\"stream": true,' + ids + b"}",  # the key is k"stream
+        b'{"stream":true,' + ids + b',"s":"stream"}',  # "stream" also a value: parsed
+    ):
+        got = ask_for_usage("/v1/completions", shape, None)
+        assert (got is not None) == (json.loads(shape).get("stream") is True), shape[:40]
     assert ask_for_usage("/v1/responses", body, None) is None
 
 

@@ -6,7 +6,6 @@ that tenant's sessions. Redis down -> 503.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from proxy import jsonio
+from proxy import jsonio, session_cursor
 from proxy.admin_models import (
     EngineList,
     EngineRecord,
@@ -32,7 +31,6 @@ from proxy.runtime import RUNTIME, Runtime
 from proxy.store import STATES, Session, SessionStore, StoreDown
 
 MAX_PAGE = 500
-_CURSOR = re.compile(r"[0-9]{1,9}:[0-9]{1,9}")  # tenant index : offset, as next_cursor writes
 MAX_TREE_NODES = 1000
 AdminHandler = Callable[[web.Request, Runtime, SessionStore, Principal], Awaitable[web.Response]]
 
@@ -78,33 +76,41 @@ def int_query(
 async def list_sessions(
     request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
 ) -> web.Response:
+    """Sessions by tenant, then by session id, after the cursor's position (a keyset, so a
+    session used while an operator pages does not move between pages)."""
     state = request.query.get("state")
     if state is not None and state not in STATES:
         raise BadRequest(f"state must be one of {', '.join(STATES)}", param="state")
     limit = int_query(request, "limit", 50, 1, MAX_PAGE)
-    cursor = request.query.get("cursor", "0:0")
-    if _CURSOR.fullmatch(cursor) is None:
-        raise BadRequest("cursor is malformed", param="cursor")
-    t_index, offset = (int(p) for p in cursor.split(":", 1))
-    requested = request.query.get("tenant")
-    tenants = (
-        [principal.scope(requested)] if requested or principal.tenant else await store.tenants()
-    )
-    parent = request.query.get("parent")
+    requested, parent = request.query.get("tenant"), request.query.get("parent")
+    scope = principal.scope(requested) if requested or principal.tenant else None
+    digest = session_cursor.listing_digest(scope, parent, state)
+    raw = request.query.get("cursor", "")
+    at = session_cursor.decode(raw, digest) if raw else None
+    if scope is not None and at is not None and at.tenant != scope:
+        raise BadRequest("cursor belongs to another listing (other tenant)", param="cursor")
+    tenants = [scope] if scope is not None else await store.tenants()
+    if at is not None:  # tenants are visited by name: resume at the cursor's (or the next one)
+        tenants = [t for t in tenants if t >= at.tenant]
     page: list[Session] = []
-    next_cursor: str | None = None
-    while t_index < len(tenants) and len(page) < limit:
-        got, nxt = await store.list_sessions(
-            tenants[t_index], parent=parent, state=state, offset=offset, limit=limit - len(page)
+    next_at: session_cursor.Position | None = None
+    for i, tenant in enumerate(tenants):
+        after = at.after if at is not None and tenant == at.tenant else ""
+        got, last = await store.list_sessions(
+            tenant, parent=parent, state=state, after=after, limit=limit - len(page)
         )
         page.extend(got)
-        if nxt is not None:
-            next_cursor = f"{t_index}:{nxt}"
+        if last is not None:
+            next_at = session_cursor.Position(tenant, last)
             break
-        t_index, offset = t_index + 1, 0
-        next_cursor = f"{t_index}:0" if t_index < len(tenants) and len(page) >= limit else None
+        if len(page) >= limit:
+            next_at = session_cursor.Position(tenants[i + 1], "") if i + 1 < len(tenants) else None
+            break
     now = time.time()
-    body = SessionPage(data=[SessionRecord.of(s, now) for s in page], next_cursor=next_cursor)
+    body = SessionPage(
+        data=[SessionRecord.of(s, now) for s in page],
+        next_cursor=None if next_at is None else session_cursor.encode(next_at, digest),
+    )
     return _answer(body)
 
 

@@ -235,7 +235,15 @@ def document() -> dict[str, Any]:
         },
         "/admin/sessions": {
             "get": {
-                "summary": "List sessions, newest first",
+                "summary": "List sessions by tenant, then session id",
+                "description": (
+                    "Pages run over tenants by name, then each tenant's sessions by id (code"
+                    " point order), so sessions used while a client pages do not move: each"
+                    " session that exists throughout appears exactly once. next_cursor is"
+                    " opaque and valid only for the listing it came from (same tenant scope,"
+                    " parent and state); an altered or foreign cursor is a 400 (param cursor)."
+                    " Omit cursor (or pass it empty) for the first page."
+                ),
                 "security": [{"bearer": []}],
                 "parameters": [
                     _TENANT,

@@ -88,8 +88,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ls = sub.add_parser(
         "list",
         parents=[_client_options()],
-        help="list sessions, newest first, one page unless --all",
-        description="List sessions. A footer on stderr gives the cursor of the next page.",
+        help="list sessions by session id, one page unless --all",
+        description="List sessions by tenant, then session id. A footer on stderr gives"
+        " the cursor of the next page.",
     )
     ls.add_argument("--parent", metavar="ID", help="only children of this session")
     ls.add_argument(

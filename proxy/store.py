@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from proxy.hints import Hint
@@ -173,18 +174,20 @@ class SessionStore(ProtectedMirror, PinLedger):
         *,
         parent: str | None = None,
         state: str | None = None,
-        offset: int = 0,
+        after: str = "",
         limit: int = 50,
-    ) -> tuple[list[Session], int | None]:
-        """One page of a tenant's sessions, newest first; returns (page, next offset or None)."""
+    ) -> tuple[list[Session], str | None]:
+        """One page of a tenant's sessions by id, those after ``after`` (a keyset: ids do not
+        move when a session is used, unlike its place in the activity index). Returns (page,
+        the last id examined when more remain, else None)."""
+        raw: Any
         if parent is not None:
-            ids_raw = await self._call(lambda: self.redis.smembers(self.key("ch", tenant, parent)))
-            ids = sorted(as_text(i) for i in ids_raw)
+            raw = await self._call(lambda: self.redis.smembers(self.key("ch", tenant, parent)))
         else:
-            ids_b = await self._call(lambda: self.redis.zrevrange(self.index_key(tenant), 0, -1))
-            ids = [as_text(i) for i in ids_b]
+            raw = await self._call(lambda: self.redis.zrange(self.index_key(tenant), 0, -1))
+        ids = sorted(as_text(i) for i in raw)
         page: list[Session] = []
-        pos = offset
+        pos = bisect.bisect_right(ids, after) if after else 0
         while pos < len(ids) and len(page) < limit:
             batch = ids[pos : pos + max(limit, 64)]
             sessions = await self.get_many(tenant, batch)
@@ -194,7 +197,7 @@ class SessionStore(ProtectedMirror, PinLedger):
                     page.append(sess)
                     if len(page) == limit:
                         break
-        return page, (pos if pos < len(ids) else None)
+        return page, (ids[pos - 1] if pos < len(ids) else None)
 
     async def exist(self, sessions: list[tuple[str, str]]) -> list[bool]:
         """Whether each (tenant, session id) still has its record (one round trip)."""

@@ -227,8 +227,8 @@ async def _leaders(session: aiohttp.ClientSession, url: str) -> set[str]:
 
 async def _sessions(session: aiohttp.ClientSession, url: str) -> set[str]:
     ids: set[str] = set()
-    cursor: str | None = "0:0"
-    while cursor:
+    cursor: str | None = ""  # "" = the first page
+    while cursor is not None:
         async with session.get(
             url + "/admin/sessions", params={"limit": "500", "cursor": cursor}, headers=AUTH
         ) as resp:

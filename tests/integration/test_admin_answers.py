@@ -75,7 +75,8 @@ async def test_admin_answers_are_their_models_and_match_the_document(
     async with console_stack(redis_server.url, namespace, tmp_path, tier=True) as st:
         doc = await (await st.client.get("/openapi.json")).json()
 
-        # paged (the swarm reorders the newest-first index meanwhile: only the shape is checked)
+        # paged (by session id; only the shape is checked here, tests/integration/test_session_paging.py
+        # checks the order)
         first, _ = await _checked(st, doc, "GET", "/admin/sessions", "/admin/sessions", limit="3")
         assert isinstance(first, SessionPage) and len(first.data) == 3
         assert first.next_cursor is not None

@@ -127,8 +127,8 @@ async def test_three_master_cluster(cluster: ClusterSet, tmp_path: Path) -> None
         assert store is not None and store.cluster
         await rt.settle()
         listed: list[tuple[str, str]] = []
-        cursor: str | None = "0:0"
-        while cursor:
+        cursor: str | None = ""  # "" = the first page
+        while cursor is not None:
             page = await (
                 await st.client.get(
                     "/admin/sessions",

@@ -139,6 +139,10 @@ class ResidencyIndex:
     def media(self) -> list[str]:
         return sorted(self._resident)
 
+    def resident_blocks(self, medium: str = GPU) -> list[int]:
+        """Every block resident in ``medium`` (a snapshot for a process that joins late)."""
+        return list(self._resident.get(medium, {}))
+
     # LRU horizon ---------------------------------------------------------------------------
     def eviction_ages(self, since: float | None = None) -> list[float]:
         """Ages (seconds since the proxy's last use) of blocks evicted at or after ``since``."""

@@ -41,6 +41,7 @@ from proxy.metrics import Metrics
 from proxy.operations import SessionOps
 from proxy.passthrough import RESPONSES, ResponseMap, add_passthrough
 from proxy.prefix_share import PrefixShare
+from proxy.residency_share import ResidencyShare
 from proxy.retention import Retention
 from proxy.routes import add_routes, count_requests
 from proxy.runtime import RUNTIME, Runtime
@@ -244,11 +245,13 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             rt.edits = edits
         app[RUNTIME] = rt
         subscriber: Redis | None = None
-        if settings.placement.share and len(settings.engines) > 1:
+        sharing = settings.placement.share and len(settings.engines) > 1
+        if sharing or settings.retention.enabled:
             # its own client: a subscription holds its connection, and waits longer than a call
             subscriber = redisconn.open_redis(
                 url, socket_connect_timeout=REDIS_TIMEOUT_S, health_check_interval=15
             )
+        if sharing and subscriber is not None:
             rt.prefix_share = PrefixShare(
                 redis, subscriber, settings.namespace, rt.placer.prefixes, pool.by_name
             )
@@ -268,7 +271,13 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         )
         sweeps: asyncio.Task[None] | None = None
         checking: asyncio.Task[None] | None = None
-        if settings.retention.enabled:
+        residency: ResidencyShare | None = None
+        if settings.retention.enabled and subscriber is not None:
+            # one KV-event subscriber per engine (its lease holder), relayed to the others
+            residency = ResidencyShare(
+                redis, subscriber, settings.namespace, {e.name: e.signals for e in pool.engines}
+            )
+            residency.start()
             rt.retention = build_retention(settings, store, pool, metrics)
             rt.placer.known_blocks = rt.retention.blocks.known
             await rt.retention.start(discover_cache=settings.cache.block_size is None)
@@ -295,8 +304,9 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             if rt.retention is not None:
                 await rt.retention.stop()
             await rt.drain()
-            if rt.prefix_share is not None:
-                await rt.prefix_share.stop()
+            for share in (rt.prefix_share, residency):
+                if share is not None:
+                    await share.stop()
             if subscriber is not None:
                 await subscriber.aclose()
             await rt.completions.close()

@@ -7,7 +7,9 @@ size makes every comparison miss, silently: kvkeeper would see nothing resident.
 
 So kvkeeper checks the engine's own events, without sending anything: until decided, the
 subscriber decodes the token ids of stored blocks, and for each ``BlockStored`` that starts a
-prompt (no parent block) kvkeeper hashes the same tokens and compares.
+prompt (no parent block) kvkeeper hashes the same tokens and compares. The process holding the
+engine's KV-event subscription (its lease holder) checks; a mismatch reaches the others through
+its relay (``proxy/residency_share.py``).
 
 - a match: ``ok`` (token ids are no longer decoded);
 - ``MISMATCHES`` root events in a row without a match: ``mismatch``: an error is logged,
@@ -23,6 +25,7 @@ prompt (no parent block) kvkeeper hashes the same tokens and compares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from adapters.base import EngineAdapter, EventSink
+from adapters.base import EngineAdapter, EventSink, EventSubscription
 from adapters.kv_events import GPU, BlockStored, EventBatch
 from proxy.admin_models import HashCheckView
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvkeeper.hashcheck")
 
 MISMATCHES = 3  # root events without a match before the hashes are declared different
+SUBSCRIBED_POLL_S = 0.5  # how often a process without the subscription looks again
 
 
 @dataclass(slots=True)
@@ -65,11 +69,19 @@ class CheckingSink:
     """An event sink in front of the engine's own: compares root ``BlockStored`` hashes with
     kvkeeper's for the same token ids, then passes the batch on unchanged."""
 
-    def __init__(self, inner: EventSink, adapter: EngineAdapter, result: HashCheck) -> None:
+    def __init__(
+        self,
+        inner: EventSink,
+        adapter: EngineAdapter,
+        result: HashCheck,
+        decided: asyncio.Event,
+        token_ids_before: bool = False,
+    ) -> None:
         self.inner = inner
         self.adapter = adapter
         self.result = result
-        self.decided = asyncio.Event()
+        self.decided = decided
+        self.token_ids_before = token_ids_before  # the subscription's setting, given back
 
     def apply(self, batch: EventBatch) -> None:
         self.inner.apply(batch)
@@ -121,22 +133,37 @@ async def fall_back(es: EngineState) -> None:
 async def check_engine(
     name: str, es: EngineState, result: HashCheck, metrics: Metrics, stopping: asyncio.Event
 ) -> None:
-    """Watch one engine's events until the check is decided (or ``stopping`` is set)."""
-    sub = es.signals.subscription
-    if sub is None:
+    """Watch one engine's events until the check is decided (or ``stopping`` is set). The
+    process holding the engine's KV-event subscription checks (from the first batch of each
+    subscription it starts); the others learn a mismatch from its relay (events off)."""
+    if not es.signals.has_events:
         result.status, result.detail = "no_events", "no KV events: nothing to check"
         return
-    checking = CheckingSink(sub.sink, es.adapter, result)
-    decode_before = sub.token_ids
-    sub.sink, sub.token_ids = checking, True
-    waits = [asyncio.ensure_future(checking.decided.wait()), asyncio.ensure_future(stopping.wait())]
+    decided = asyncio.Event()
+
+    def wrap(sub: EventSubscription) -> None:
+        if not isinstance(sub.sink, CheckingSink):
+            sub.sink = CheckingSink(sub.sink, es.adapter, result, decided, sub.token_ids)
+            sub.token_ids = True
+
+    es.signals.on_subscribed = wrap
+    if es.signals.subscription is not None:
+        wrap(es.signals.subscription)
+    result.detail = "checked by the process subscribed to the engine's KV events"
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        while not (decided.is_set() or stopping.is_set()):
+            if not es.signals.has_events:  # the subscribing process found a mismatch
+                result.status = "mismatch"
+                result.detail = "the process subscribed to the engine's KV events found it"
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(decided.wait(), SUBSCRIBED_POLL_S)
     finally:
-        for w in waits:
-            w.cancel()
-        if sub.sink is checking:
-            sub.sink, sub.token_ids = checking.inner, decode_before
+        es.signals.on_subscribed = None
+        sub = es.signals.subscription
+        checking = sub.sink if sub is not None else None
+        if sub is not None and isinstance(checking, CheckingSink):
+            sub.sink, sub.token_ids = checking.inner, checking.token_ids_before
     if result.status == "ok":
         metrics.hash_check.labels(name).set(1)
         log.info("hash check on %s: ok (%s)", name, result.detail)

@@ -230,6 +230,14 @@ class Metrics:
             multiprocess_mode="livemax",
             registry=r,
         )
+        self.kv_event_subscriptions = Gauge(
+            "kvkeeper_kv_event_subscriptions",
+            "KV-event subscriptions to the engine: 1 in the process holding its retention lease "
+            "(summed over the workers: 1 per engine; the others apply its relay)",
+            ["engine"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.horizon = Gauge(
             "kvkeeper_retention_horizon_seconds",
             "Estimated time an unused block survives in the engine's cache (+Inf: unknown yet)",

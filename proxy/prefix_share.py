@@ -98,6 +98,37 @@ def decode(payload: bytes) -> tuple[bytes, list[Record]]:
     return origin, out
 
 
+async def follow(
+    subscriber: Redis,
+    channel: str,
+    apply: Callable[[bytes], None],
+    subscribed: asyncio.Event,
+    on_subscribed: Callable[[], None] | None = None,
+) -> None:
+    """Apply every message of ``channel`` until cancelled, subscribing again after Redis errors
+    (``subscribed`` is set while subscribed; ``on_subscribed`` is called on each subscribe)."""
+    backoff = 0.1
+    while True:
+        try:
+            async with subscriber.pubsub() as pubsub:
+                await pubsub.subscribe(channel)
+                subscribed.set()
+                if on_subscribed is not None:
+                    on_subscribed()
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is not None and isinstance(msg.get("data"), bytes):
+                        apply(msg["data"])
+        except asyncio.CancelledError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:  # Redis away: retry, keep placing
+            subscribed.clear()
+            log.debug("%s: %r; subscribing again in %.1f s", channel, exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
+
+
 class PrefixShare:
     """Publish this process's placements, apply everyone else's to ``index``."""
 
@@ -171,24 +202,7 @@ class PrefixShare:
                     await task
 
     async def _listen(self) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                async with self.subscriber.pubsub() as pubsub:
-                    await pubsub.subscribe(self.channel)
-                    self.subscribed.set()
-                    backoff = 0.1
-                    while True:
-                        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                        if msg is not None and isinstance(msg.get("data"), bytes):
-                            self.apply(msg["data"])
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, TimeoutError) as exc:  # Redis away: retry, keep placing
-                self.subscribed.clear()
-                log.debug("prefix share: %r; subscribing again in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+        await follow(self.subscriber, self.channel, self.apply, self.subscribed)
 
     def apply(self, payload: bytes) -> None:
         """Another process's placements (its own come back too and are skipped)."""

@@ -1,6 +1,7 @@
 """Retention behind the scenes: protect, expire, evict, offload and prefetch on unmodified engines.
 
-Per engine, one proxy replica (the holder of a Redis lease) drives a tick loop:
+Per engine, one proxy replica (the holder of a Redis lease) subscribes to its KV events and
+drives a tick loop:
 
 1. expire TTLs whose deadline passed (the deadline ZSET is the timer wheel);
 2. read the engine's signals (``proxy.signals``): its load and LRU horizon, how long a block
@@ -138,6 +139,7 @@ class Retention:
                 async with asyncio.timeout(5):
                     await self.tiers.release(es)
             await es.signals.aclose()
+            self.metrics.child(self.metrics.kv_event_subscriptions, es.name).set(0)
             with contextlib.suppress(StoreDown):
                 await self.store.release_lease(f"engine:{es.name}", self.holder)
 
@@ -186,10 +188,15 @@ class Retention:
                 token = await self.store.lease(lease, self.holder, ttl_ms)
                 if token and token != es.leader_token:
                     log.info("retention: %s now drives %s (fence %d)", self.holder, es.name, token)
+                    es.signals.subscribe()  # one KV-event subscriber per engine: the holder
                     await self.tiers.adopt(es)
                 elif not token and es.leader_token:
                     self.tiers.abandon(es)
+                if not token:  # another holds it (not after StoreDown: maybe nobody does)
+                    await es.signals.unsubscribe()
                 es.leader_token = token
+                subscribed = int(es.signals.subscribed)
+                self.metrics.child(self.metrics.kv_event_subscriptions, es.name).set(subscribed)
                 if token:
                     started = time.perf_counter()
                     await self.tick(es, time.time())

@@ -1,7 +1,9 @@
 """Per-engine signals: load, residency, the LRU horizon and the retention overhead credit.
 
 One ``EngineSignals`` per engine, fed by its /metrics scrapes and its KV events; placement and
-retention both read it.
+retention both read it. Only the process holding the engine's retention lease subscribes to its
+KV events; it relays what they change to the other workers and replicas
+(``proxy/residency_share.py``), which feed the same index and horizon tap from that.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class HorizonTap:
     ) -> None:
         self.index = index
         self.estimator = estimator
+        # what this process's own subscription applies goes to the other processes too
+        self.relay: Callable[[EventBatch | None], None] | None = None
         self.stores = RateMeter(window_s=5.0, min_span_s=0.25)
         self._clock = clock
         self._stored_total = 0  # GPU blocks stored since start: the allocation front's position
@@ -78,10 +82,14 @@ class HorizonTap:
             self.evictions += len(ages)
             self.estimator.observe_evictions(ages, at)
         self.index.apply(batch, at)
+        if self.relay is not None:
+            self.relay(batch)
 
     def clear(self) -> None:
         self._stored_at.clear()
         self.index.clear()
+        if self.relay is not None:
+            self.relay(None)
 
     def allocated_since(self, at: float) -> int:
         """New GPU blocks stored after ``at``: how far the allocation front moved since then."""
@@ -99,7 +107,12 @@ class EngineSignals:
         self.index = ResidencyIndex()
         self.estimator = HorizonEstimator(HorizonConfig(min_samples=8))
         self.tap = HorizonTap(self.index, self.estimator)
-        self.subscription: EventSubscription | None = None
+        self.subscription: EventSubscription | None = None  # this process's own, if any
+        self.events_on = False  # the engine's KV events feed the index (here or relayed)
+        self.relayed_batches = 0  # event batches another process's subscription relayed
+        self.on_fallback: Callable[[str], None] | None = None  # tell the others: events off
+        # sees each subscription as it starts, before its first batch (the hash self-check)
+        self.on_subscribed: Callable[[EventSubscription], None] | None = None
         self.load: EngineLoad | None = None
         self.on_scraped: Callable[[str, EngineLoad], None] | None = None  # a reading to share
         self.overhead = OverheadBudget()  # what touches and warm-ups may still recompute here
@@ -113,6 +126,11 @@ class EngineSignals:
 
     @property
     def has_events(self) -> bool:
+        return self.events_on
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether this process holds the engine's KV-event subscription."""
         return self.subscription is not None
 
     @property
@@ -124,25 +142,58 @@ class EngineSignals:
         return self.adapter.cache.block_size
 
     async def connect(self, *, discover_cache: bool) -> None:
-        """Learn the engine's cache geometry and event endpoint; subscribe when it publishes."""
+        """Learn the engine's cache geometry and event endpoint (subscribing is ``subscribe``'s,
+        done by the holder of the engine's lease)."""
         with contextlib.suppress(
             AdapterError, aiohttp.ClientError, TimeoutError, ValueError, KeyError
         ):
             await self.adapter.discover(cache=discover_cache)
-        if self.adapter.has_events and self.subscription is None:
-            self.subscription = self.adapter.subscribe(self.tap)
+        self.events_on = self.adapter.has_events
         log.info("retention on %s: %s mode, block size %d", self.name, self.mode, self.block_size)
 
-    async def aclose(self) -> None:
-        if self.subscription is not None:
-            await self.subscription.aclose()
+    def subscribe(self) -> None:
+        """This process took the engine's lease: follow its KV events (a late joiner's
+        subscriber first replays what the publisher still buffers, the hand-over's gap)."""
+        if self.events_on and self.subscription is None:
+            self.subscription = self.adapter.subscribe(self.tap)
+            if self.on_subscribed is not None:
+                self.on_subscribed(self.subscription)
+            log.info("kv events of %s: subscribed", self.name)
 
-    async def fall_back(self) -> None:
-        """Stop trusting the engine's events (their hashes are not ours): feedback mode."""
+    async def unsubscribe(self) -> None:
+        """Another process holds the lease now: its relay feeds the index from here on."""
         sub, self.subscription = self.subscription, None
         if sub is not None:
             await sub.aclose()
+            log.info("kv events of %s: subscription handed over", self.name)
+
+    async def aclose(self) -> None:
+        await self.unsubscribe()
+
+    async def fall_back(self) -> None:
+        """Stop trusting the engine's events (their hashes are not ours): feedback mode."""
+        self.events_on = False
+        await self.unsubscribe()
         self.tap.clear()
+        if self.on_fallback is not None:
+            self.on_fallback(self.name)
+
+    def relayed(self, batch: EventBatch | None) -> None:
+        """Events another process's subscription relayed (None: the cache was cleared); its
+        own subscription, if this process has one meanwhile, is what counts."""
+        if self.subscription is not None or not self.events_on:
+            return
+        if batch is None:
+            self.tap.clear()
+        else:
+            self.relayed_batches += 1
+            self.tap.apply(batch)
+
+    def relayed_off(self) -> None:
+        """The subscribing process found the engine's hashes are not ours: feedback mode."""
+        if self.events_on:
+            self.events_on = False
+            self.tap.clear()
 
     # --- the overhead credit ----------------------------------------------------------------
     def served(self, prompt_tokens: int) -> None:
@@ -252,6 +303,13 @@ class EngineSignals:
         o = self.overhead
         return {
             "mode": self.mode,
+            # whether this process follows the engine's KV events itself (the lease holder) or
+            # learns them from the one that does
+            "kv_events": {
+                "subscribed": self.subscribed,
+                "source": ("relay" if self.events_on else None) if not self.subscribed else "own",
+                "relayed_batches": self.relayed_batches,
+            },
             "horizon_s": None if math.isinf(self.horizon_s) else round(self.horizon_s, 3),
             "horizon_source": self.horizon_source,
             "block_size": self.block_size,

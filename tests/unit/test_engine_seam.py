@@ -50,6 +50,7 @@ async def store(redis_server: RedisServer, namespace: str) -> AsyncIterator[Sess
 async def test_signals_follow_the_engines_events_and_metrics() -> None:
     e = engine("a")
     await e.signals.connect(discover_cache=True)
+    e.signals.subscribe()  # as the lease holder does
     assert e.signals.mode == "events"
     tokens = list(range(40))  # 10 blocks of 4
     memory(e).serve(tokens)
@@ -67,6 +68,7 @@ async def test_placement_follows_the_resident_prefix_then_the_prompt() -> None:
     pool = EnginePool([a, b], None, Metrics())  # type: ignore[arg-type]
     for e in (a, b):
         await e.signals.connect(discover_cache=True)
+        e.signals.subscribe()  # as the lease holder does
         await e.signals.scrape(time.time(), max_age_s=0)
     tokens = list(range(100, 140))
     memory(b).serve(tokens)  # b holds the session's prefix
@@ -114,6 +116,7 @@ async def test_a_protected_session_is_touched_once_the_allocation_front_passes_i
         store, [es], RetentionSettings(), metrics, tiers=TierKeeper(store, TierSettings(), metrics)
     )
     await es.signals.connect(discover_cache=True)
+    es.signals.subscribe()  # as the lease holder does
     tokens = list(range(1000, 1040))  # 10 blocks
     await _protected(store, e, "s", tokens)
     now = time.time()

@@ -129,10 +129,22 @@ class GuardView(BaseModel):
     sessions_kept: int
 
 
+class KvEventsView(BaseModel):
+    model_config = _EXACT
+
+    subscribed: bool = Field(description="this process follows the engine's KV events itself")
+    source: str | None = Field(
+        description="own (this process holds the engine's lease), relay (the holder's relay), "
+        "None: no KV events"
+    )
+    relayed_batches: int = Field(description="event batches learned from the holder's relay")
+
+
 class RetentionView(BaseModel):
     model_config = _EXACT
 
     mode: str = Field(description="events | feedback")
+    kv_events: KvEventsView
     horizon_s: float | None = Field(description="the LRU horizon; None: unbounded")
     horizon_source: str
     block_size: int

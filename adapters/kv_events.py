@@ -173,6 +173,17 @@ def _read_event(u: msgpack.Unpacker) -> Any:
     return fields
 
 
+def _read_events(u: msgpack.Unpacker, payload: bytes, n: int) -> list[Any]:
+    """``n`` events from ``u``: a ``BlockStored`` (its kind is in its first bytes, in either
+    form) through :func:`_read_event`, any other in one call (thousands of removals a batch)."""
+    out: list[Any] = []
+    for _ in range(n):
+        pos = u.tell()
+        stored = payload.find(b"BlockStored", pos, pos + 24) >= 0
+        out.append(_read_event(u) if stored else u.unpack())
+    return out
+
+
 def _unpack_without_tokens(payload: bytes) -> Any:
     """``msgpack.unpackb`` of a batch, except that every ``BlockStored``'s token ids are skipped
     in C instead of built as Python ints: for a 100K-token prompt that is most of the payload.
@@ -187,14 +198,12 @@ def _unpack_without_tokens(payload: bytes) -> Any:
         for _ in range(u.read_map_header()):
             key = u.unpack()
             batch[key] = (
-                [_read_event(u) for _ in range(u.read_array_header())]
-                if key == "events"
-                else u.unpack()
+                _read_events(u, payload, u.read_array_header()) if key == "events" else u.unpack()
             )
     else:
         batch = [u.unpack()]  # ts
         if n > 1:
-            batch.append([_read_event(u) for _ in range(u.read_array_header())])
+            batch.append(_read_events(u, payload, u.read_array_header()))
         batch += [u.unpack() for _ in range(n - 2)]
     if u.tell() != len(payload):
         raise ValueError("trailing data")
@@ -204,7 +213,8 @@ def _unpack_without_tokens(payload: bytes) -> Any:
 def decode_batch(payload: bytes, *, token_ids: bool = True) -> EventBatch:
     """Decode one msgpack ``EventBatch`` payload (array or map form). ``token_ids=False``: the
     ``BlockStored`` events come without their token ids (kvkeeper's own index needs only the
-    hashes), which makes decoding a long prompt's batch several times cheaper."""
+    hashes), which makes decoding a long prompt's batch several times cheaper, and consecutive
+    ``BlockRemoved`` events of one medium come as one (the same blocks, in order)."""
     raw: Any = None
     if not token_ids:
         with contextlib.suppress(Exception):
@@ -222,8 +232,47 @@ def decode_batch(payload: bytes, *, token_ids: bool = True) -> EventBatch:
         raise EventDecodeError(f"bad batch {raw!r:.80}")
     if not isinstance(events, list):
         raise EventDecodeError("batch without an event list")
-    decoded = tuple(e for e in (decode_event(ev) for ev in events) if e is not None)
+    if token_ids:
+        decoded = tuple(e for e in (decode_event(ev) for ev in events) if e is not None)
+    else:
+        decoded = _decode_merging_removals(events)
     return EventBatch(ts=float(ts or 0.0), events=decoded, dp_rank=rank)
+
+
+def _removal(event: Any) -> tuple[Any, str] | None:
+    """(hashes, medium) of a ``BlockRemoved`` in either wire form, else None."""
+    if isinstance(event, dict):
+        if event.get("type") == "BlockRemoved":
+            return event.get("block_hashes"), _medium(event.get("medium"))
+    elif isinstance(event, list | tuple) and event and event[0] == "BlockRemoved":
+        return (event[1] if len(event) > 1 else None), _medium(event[2] if len(event) > 2 else None)
+    return None
+
+
+def _decode_merging_removals(events: list[Any]) -> tuple[KVEvent, ...]:
+    """:func:`decode_event` over ``events``, except that consecutive ``BlockRemoved`` events of
+    one medium come as one: vLLM sends one per evicted block, thousands when a long prompt's
+    blocks go, and each event costs the proxy's loop more than its hashes do."""
+    out: list[KVEvent] = []
+    run: list[Any] = []
+    medium: str | None = None
+    for event in events:
+        removal = _removal(event)
+        if removal is not None and (medium is None or removal[1] == medium):
+            medium = removal[1]
+            run.extend(removal[0] or ())
+            continue
+        if medium is not None:
+            out.append(BlockRemoved(_hashes(run), medium))
+            run, medium = [], None
+        if removal is not None:  # a run of another medium starts
+            medium = removal[1]
+            run.extend(removal[0] or ())
+        elif (decoded := decode_event(event)) is not None:
+            out.append(decoded)
+    if medium is not None:
+        out.append(BlockRemoved(_hashes(run), medium))
+    return tuple(out)
 
 
 def endpoint_for_host(endpoint: str, host: str) -> str:

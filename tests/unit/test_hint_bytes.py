@@ -25,7 +25,7 @@ def _raw(body: dict[str, Any], **dump: Any) -> bytes:
     "dump", [{}, {"separators": (",", ":")}, {"indent": 2}, {"ensure_ascii": False}]
 )
 def test_the_byte_path_gives_what_parsing_gives(dump: dict[str, Any]) -> None:
-    body = {"model": "m", "prompt": PROMPT, "stream": True, "user": "é{[\"x\"]}"}
+    body = {"model": "m", "prompt": PROMPT, "stream": True, "user": 'é{["x"]}'}
     last = _raw({**body, "agent_hint": HINT}, **dump)
     first = _raw({"agent_hint": HINT, **body}, **dump)  # not last: the whole body is parsed
     split = split_last_agent_hint(last)

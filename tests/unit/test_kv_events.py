@@ -177,3 +177,35 @@ def test_decoding_without_token_ids_fails_as_the_full_decoder_does(payload: byte
     with pytest.raises(EventDecodeError) as lean:
         decode_batch(payload, token_ids=False)
     assert type(lean.value) is type(full.value)
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_the_lean_decode_merges_a_run_of_removals_into_one_event(form: str) -> None:
+    """vLLM sends one BlockRemoved per evicted block; the lean decode (kvkeeper's) gives each
+    run of one medium as one event with the same hashes in order, and keeps every other event
+    where it was."""
+
+    def removed(h: int, medium: str | None = "GPU") -> object:
+        if form == "map":
+            return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium, "group_idx": 0}
+        return ["BlockRemoved", [h], medium]
+
+    stored = (
+        {"type": "BlockStored", "block_hashes": [50, 51], "parent_block_hash": None,
+         "token_ids": list(range(64)), "block_size": 32, "medium": "GPU"}
+        if form == "map" else ["BlockStored", [50, 51], None, list(range(64)), 32, None, "GPU"]
+    )  # fmt: skip
+    cleared = {"type": "AllBlocksCleared"} if form == "map" else ["AllBlocksCleared"]
+    events = [removed(h) for h in range(1, 300)] + [removed(7, None), removed(300, "CPU")]
+    events += [stored, removed(301), removed(302), cleared, removed(303, "CPU")]
+    payload = msgpack.packb([5.0, events, 0])
+    full, lean = decode_batch(payload), decode_batch(payload, token_ids=False)
+    assert len(full.events) == len(events)
+    assert lean.events == (
+        BlockRemoved((*range(1, 300), 7), "GPU"),  # no medium: the GPU's
+        BlockRemoved((300,), "CPU"),
+        BlockStored((50, 51), None, (), 32, "GPU"),
+        BlockRemoved((301, 302), "GPU"),
+        AllBlocksCleared(),
+        BlockRemoved((303,), "CPU"),
+    )

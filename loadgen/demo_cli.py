@@ -1,9 +1,9 @@
 """``kvkeeper demo``: vanilla vLLM, vLLM + plain LMCache, and vLLM + LMCache + kvkeeper, side by side.
 
-It starts the engine simulator (a vLLM-exact block pool under cache pressure, Llama-3.1-8B on
-one H100 timing) three times and plays the same agent swarm against each: a supervisor and
-specialised workers whose long system prompts (anchors) every user session shares, with tool
-pauses between turns. The pool holds half the swarm's peak working set.
+It plays one agent swarm (a supervisor and specialised workers whose long system prompts,
+the anchors, every user session shares, with tool pauses between turns) against three stacks on
+the engine simulator (a vLLM-exact block pool under cache pressure, Llama-3.1-8B on one H100
+timing), each on fresh processes. The pool holds half the swarm's peak working set.
 
 * ``vLLM``: straight to the engine, no offload tier (an agent framework without kvkeeper);
 * ``vLLM + LMCache``: the same engine with an LMCache-shaped CPU tier as large as the pool
@@ -14,10 +14,14 @@ pauses between turns. The pool holds half the swarm's peak working set.
   a resume). kvkeeper finds the tier and the engine's scheduling policy by itself.
 
 Every engine runs ``--scheduling-policy priority``; requests that carry no priority are served
-first come, first served, so the two baselines see plain vLLM. It prints the three side by side
-with what kvkeeper did, and writes ``results/demo/`` (report.md, summary.json, PNGs). Nothing
-is faked: every column is measured in this run. ``--real`` runs the same three on the real CPU
-vLLM + LMCache MP stack (``kvkeeper engine setup`` first).
+first come, first served, so the two baselines see plain vLLM. Three rounds each play the three
+stacks once, in a rotated order, so a change in the machine's load falls on every stack in every
+position: hit rate and tokens pool the rounds, TTFT is the median of the rounds. It prints the
+three side by side with what kvkeeper did, and writes ``results/demo/`` (report.md,
+summary.json, PNGs; each round's runs in ``round<k>/``). Nothing is faked: every column is
+measured in this run. ``--real`` runs the same three on the real CPU vLLM + LMCache MP stack
+(:mod:`loadgen.demo_real`; ``bash deploy/local/engine-setup.sh`` and
+``bash deploy/local/lmcache-install.sh`` first).
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ import argparse
 import asyncio
 import os
 import secrets
+import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from loadgen.compare_ceilings import planned_ceilings
 from loadgen.extras import needs_bench
 from loadgen.metrics import parse_counters, summarize
 from loadgen.records import RunResult
@@ -40,15 +48,16 @@ from loadgen.runner import RunOptions, Target, run_workload
 from loadgen.sim import SimConfig, run_simulator_process
 from loadgen.stack import start_kvkeeper
 from loadgen.workloads import build_workload
+from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HintPolicy
 
-# The swarm benchmark's setting (BENCHMARKS.md, swarm-p50-tier) at half its wall time: 24 users,
+# The swarm benchmark's setting (BENCHMARKS.md, swarm-p50-tier) scaled to 8 users per round:
 # 6 agents with 2-8K-token anchors; pauses x0.25 on a simulator 4x faster keep the timeline's
-# shape in the engine's modelled time. The pool is half the peak working set (blocks of 32),
-# the tier as large.
-SWARM: dict[str, Any] = {"users": 24}
-POOL_BLOCKS = 1192
-TIER_BLOCKS = 1192
+# shape in the engine's modelled time. The pool is half the round's peak working set (blocks of
+# 32), the tier as large.
+SWARM: dict[str, Any] = {"users": 8}
+ROUNDS = 3
+POOL_SHARE = 0.5
 TARGETS = ("vLLM", "vLLM + LMCache", "vLLM + LMCache + kvkeeper")
 # what kvkeeper did, from its /metrics at the end of its run
 DID = {
@@ -68,35 +77,41 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--out", type=Path, default=Path("results/demo"), help="where to write the report"
+        "--real",
+        action="store_true",
+        help="the real CPU vLLM + LMCache MP stack instead of the simulator (needs "
+        "deploy/local/engine-setup.sh and deploy/local/lmcache-install.sh)",
     )
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--users", type=int, default=SWARM["users"])
+    p.add_argument("--out", type=Path, default=None, help="report folder (results/demo[-real])")
+    p.add_argument("--seed", type=int, default=None, help="the swarm's seed (every round)")
+    p.add_argument("--users", type=int, default=None, help="user sessions per round")
     p.add_argument(
-        "--num-blocks", type=int, default=POOL_BLOCKS, help="simulated KV pool (blocks of 32)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds; each plays the three stacks once, in a rotated order (sim 3, --real 1)",
     )
     p.add_argument(
-        "--tier-blocks", type=int, default=TIER_BLOCKS, help="the LMCache-shaped CPU tier"
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool in blocks of 32 (sim: half the round's peak working set; --real: 200)",
     )
-    p.add_argument("--time-scale", type=float, default=0.25, help="multiplies tool pauses")
+    p.add_argument(
+        "--tier-blocks", type=int, default=None, help="the simulator's CPU tier (the pool's size)"
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=None, help="multiplies tool pauses (sim 0.25, --real 1)"
+    )
     p.add_argument(
         "--speed", type=float, default=4.0, help="simulator speed-up over the h100-llama8b profile"
     )
+    p.add_argument("--l1-gb", default="1", help="--real: LMCache L1 size (GB)")
     p.set_defaults(func=needs_bench("kvkeeper demo", run))
 
 
-async def _kvkeeper_did(url: str, keep: Path) -> dict[str, float]:
-    """What kvkeeper did over its run, from its /metrics (touches served, pins, ...); the whole
-    exposition is kept in ``keep``."""
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
-            http.get(url + "/metrics") as resp,
-        ):
-            text = await resp.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return {}
-    await asyncio.to_thread(keep.write_text, text)
+def did_from(text: str) -> dict[str, float]:
+    """What kvkeeper did (touches served, pins, ...), from its /metrics exposition."""
     did: dict[str, float] = {}
     for label, (name, only) in DID.items():
         if only is None:
@@ -111,8 +126,29 @@ async def _kvkeeper_did(url: str, keep: Path) -> dict[str, float]:
     return did
 
 
-async def _one(args: argparse.Namespace, label: str) -> tuple[RunResult, dict[str, float]]:
-    workload = build_workload("swarm", {**SWARM, "users": args.users, "seed": args.seed})
+async def _kvkeeper_did(url: str, keep: Path) -> dict[str, float]:
+    """What kvkeeper did over its run; the whole exposition is kept in ``keep``."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+            http.get(url + "/metrics") as resp,
+        ):
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    await asyncio.to_thread(keep.write_text, text)
+    return did_from(text)
+
+
+def pool_blocks(workload: Workload, time_scale: float) -> int:
+    """Half the workload's peak working set (blocks), on the ceiling tool's timeline."""
+    options = RunOptions(time_scale=time_scale)
+    return int(planned_ceilings(workload, options, POOL_SHARE, None)["C"])
+
+
+async def _one(
+    args: argparse.Namespace, workload: Workload, label: str, tag: str
+) -> tuple[RunResult, dict[str, float]]:
     sim_cfg = SimConfig(
         num_blocks=args.num_blocks,
         cpu_blocks=0 if label == TARGETS[0] else args.tier_blocks,
@@ -122,9 +158,7 @@ async def _one(args: argparse.Namespace, label: str) -> tuple[RunResult, dict[st
         max_num_batched_tokens=8192,
         max_model_len=262_144,
     )
-    options = RunOptions(
-        concurrency=64, time_scale=args.time_scale, run_tag=str(time.time()), progress=False
-    )
+    options = RunOptions(concurrency=64, time_scale=args.time_scale, run_tag=tag, progress=False)
     async with run_simulator_process(sim_cfg) as sim:
         if label != TARGETS[2]:
             target = Target(sim.url, "sim", hints=HintPolicy(mode="none"), api="completions-ids")
@@ -133,76 +167,187 @@ async def _one(args: argparse.Namespace, label: str) -> tuple[RunResult, dict[st
         logs = args.out / "logs"
         token = os.environ.setdefault("KVKEEPER_ADMIN_TOKEN", secrets.token_urlsafe(12))
         async with start_kvkeeper([sim], None, logs, retention={}, offload=True) as url:
-            print(f"console (live while this run lasts): {url}/ui/#token={token}", flush=True)
+            if not args.console_shown:
+                print(f"console (live while kvkeeper runs): {url}/ui/#token={token}", flush=True)
+                args.console_shown = True
             target = Target(url, "sim", hints=HintPolicy(mode="full"), api="completions-ids")
             result = await run_workload(workload, target, options, label=label)
             return result, await _kvkeeper_did(url, logs / "kvkeeper-metrics.txt")
 
 
-def _row(name: str, s: dict[str, Any]) -> str:
-    ttft, engine_time = s["ttft"], s["ttft_engine_time"]
+def progress(result: RunResult, took: float) -> str:
+    s = summarize(result)
+    return (
+        f"  {took:.0f}s: {s['requests']} calls, hit rate {s['hit_rate'] * 100:.1f}%, "
+        f"mean TTFT {s['ttft']['mean'] * 1e3:.0f} ms"
+    )
+
+
+def order(k: int) -> tuple[int, ...]:
+    """Round ``k``'s order of the three stacks: rotated, so over three rounds each stack runs
+    first, second and third once and the machine's drift falls on all three alike."""
+    return tuple((k + i) % len(TARGETS) for i in range(len(TARGETS)))
+
+
+def merged(label: str, runs: Sequence[RunResult]) -> RunResult:
+    """One stack's rounds as one run (sessions renamed per round), for the pooled report."""
+    first = runs[0]
+    requests, manages, sessions = [], [], []
+    counters: dict[str, float] = {}
+    for k, r in enumerate(runs):
+        requests += [replace(x, session_id=f"r{k + 1}/{x.session_id}") for x in r.requests]
+        manages += [replace(x, session_id=f"r{k + 1}/{x.session_id}") for x in r.manages]
+        sessions += [
+            replace(
+                x,
+                session_id=f"r{k + 1}/{x.session_id}",
+                parent_id=x.parent_id and f"r{k + 1}/{x.parent_id}",
+            )
+            for x in r.sessions
+        ]
+        for name, v in (r.kvkeeper or {}).items():
+            counters[name] = counters.get(name, 0.0) + v
+    return replace(
+        first,
+        duration=sum(r.duration for r in runs),
+        requests=requests,
+        manages=manages,
+        sessions=sessions,
+        kvkeeper=counters if first.kvkeeper is not None else None,
+        label=label,
+    )
+
+
+def _median(xs: Sequence[float | None]) -> float:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def _row(name: str, s: dict[str, Any], ttfts: Sequence[float], rounds: int) -> str:
     over = s.get("retention_recomputed_tokens")
     share = (over or 0) / max(1, s["prompt_tokens"])
     return (
-        f"| {name} | {s['hit_rate'] * 100:.1f}% | {ttft['mean'] * 1e3:.0f} ms | "
-        f"{ttft['p90'] * 1e3:.0f} ms | {engine_time['mean'] * 1e3:.0f} ms | "
-        f"{s['recomputed_prompt_tokens']:,} | "
-        f"{'-' if over is None else f'{over:,.0f} ({share * 100:.2f}%)'} |"
+        f"| {name} | {s['hit_rate'] * 100:.1f}% | "
+        + "".join(f"{t * 1e3:.0f} ms | " for t in ttfts)
+        + f"{s['recomputed_prompt_tokens'] / rounds:,.0f} | "
+        f"{'-' if over is None else f'{over / rounds:,.0f} ({share * 100:.2f}%)'} |"
     )
 
 
-def table(results: list[RunResult], did: dict[str, float]) -> str:
-    lines = [
-        "| target | prefix-cache hit rate | mean TTFT | p90 TTFT | mean TTFT, engine time "
-        "| recomputed prompt tokens | retention overhead (recomputed) |",
-        "|---|---|---|---|---|---|---|",
+def table(
+    rounds: Sequence[Sequence[RunResult]], did: dict[str, float], engine_time: bool = True
+) -> str:
+    """The three stacks side by side: hit rate and tokens pooled over the rounds (tokens per
+    round), TTFT the median of the rounds' means and p90s (and, on the simulator, of the mean
+    engine-time TTFT); then each round's means."""
+    per_round = [[summarize(r) for r in rnd] for rnd in rounds]
+    pooled = [summarize(merged(TARGETS[i], [rnd[i] for rnd in rounds])) for i in range(3)]
+    n = len(rounds)
+    cols = [("mean TTFT", "ttft", "mean"), ("p90 TTFT", "ttft", "p90")]
+    if engine_time:
+        cols.append(("mean TTFT, engine time", "ttft_engine_time", "mean"))
+    med = [
+        [_median([pr[i][key][stat] for pr in per_round]) for _, key, stat in cols] for i in range(3)
     ]
-    s = [summarize(r) for r in results]
-    lines += [_row(r.label, x) for r, x in zip(results, s, strict=True)]
-    if len(s) == 3 and s[0]["ttft"]["mean"] and s[1]["ttft"]["mean"]:
-        k = s[2]
-        for name, base in (("vLLM", s[0]), ("vLLM + LMCache", s[1])):
-            lines.append(
-                f"\nkvkeeper vs {name}: hit rate {(k['hit_rate'] - base['hit_rate']) * 100:+.1f} pp, "
-                f"mean TTFT {k['ttft']['mean'] / base['ttft']['mean']:.2f}x, "
-                f"p90 TTFT {k['ttft']['p90'] / base['ttft']['p90']:.2f}x, recomputed tokens "
-                f"{k['recomputed_prompt_tokens'] / max(1, base['recomputed_prompt_tokens']):.2f}x"
-            )
-        ahead = all(
-            k["hit_rate"] > b["hit_rate"] and k["ttft"]["mean"] < b["ttft"]["mean"] for b in s[:2]
+    lines = [
+        "| target | prefix-cache hit rate | "
+        + "".join(f"{title} (median of {n}) | " for title, _, _ in cols)
+        + "recomputed prompt tokens per round | retention overhead per round (recomputed) |",
+        "|" + "---|" * (len(cols) + 4),
+    ]
+    lines += [_row(TARGETS[i], pooled[i], med[i], n) for i in range(3)]
+    lines.append("")
+    for r, pr in enumerate(per_round):
+        ran = ", ".join(TARGETS[i] for i in order(r))
+        got = " / ".join(f"{pr[i]['ttft']['mean'] * 1e3:.0f}" for i in range(3))
+        lines.append(f"round {r + 1} (run order: {ran}): mean TTFT {got} ms (in the table's order)")
+    k = pooled[2]
+    for i, name in enumerate(TARGETS[:2]):
+        b = pooled[i]
+        ratios = ", ".join(
+            f"{title} {med[2][c] / med[i][c]:.2f}x" for c, (title, _, _) in enumerate(cols)
         )
         lines.append(
-            "kvkeeper ahead of both (hit rate and mean TTFT): " + ("yes" if ahead else "NO")
+            f"kvkeeper vs {name}: hit rate {(k['hit_rate'] - b['hit_rate']) * 100:+.1f} pp, "
+            f"{ratios}, recomputed tokens "
+            f"{k['recomputed_prompt_tokens'] / max(1, b['recomputed_prompt_tokens']):.2f}x"
         )
-    lines.append(
-        "TTFT: wall clock at the client; engine time: the engine's part at its profile's speed "
-        "(the simulator runs faster), the rest at wall time (docs/benchmarks.md)"
-    )
+    for c in range(1 + engine_time):
+        title, key, _ = cols[2 * c]  # mean TTFT, then mean engine-time TTFT
+        ahead = all(
+            k["hit_rate"] > pooled[i]["hit_rate"] and med[2][2 * c] < med[i][2 * c]
+            for i in range(2)
+        )
+        won = sum(
+            all(pr[2][key]["mean"] < pr[i][key]["mean"] for i in range(2)) for pr in per_round
+        )
+        lines.append(
+            f"kvkeeper ahead of both (hit rate and median {title}): "
+            + ("yes" if ahead else "NO")
+            + f"; lowest {title} in {won} of {n} rounds"
+        )
+    if engine_time:
+        lines.append(
+            "TTFT: wall clock at the client; engine time: the engine's part at its profile's speed "
+            "(the simulator runs faster), the rest at wall time (docs/benchmarks.md)"
+        )
     if did:
-        lines.append("what kvkeeper did: " + ", ".join(f"{k} {v:,.0f}" for k, v in did.items()))
+        lines.append("what kvkeeper did: " + ", ".join(f"{d} {v:,.0f}" for d, v in did.items()))
     return "\n".join(lines)
 
 
+def finish(
+    rounds: Sequence[Sequence[RunResult]], did: dict[str, float], out: Path, engine_time: bool
+) -> None:
+    """Print the table; write the pooled report and plots (one curve per stack) into ``out``."""
+    for k, rnd in enumerate(rounds):
+        for r in rnd:
+            r.save(out / f"round{k + 1}" / f"{TARGETS.index(r.label)}.json")
+    stacks = [merged(TARGETS[i], [rnd[i] for rnd in rounds]) for i in range(3)]
+    report = render_report(stacks, out)
+    print()
+    print(table(rounds, did, engine_time))
+    print(f"\nreport: {report}  plots: {out / 'ttft_cdf.png'}, {out / 'hit_rate.png'}")
+
+
 async def demo(args: argparse.Namespace) -> int:
+    args.seed = 1 if args.seed is None else args.seed
+    args.users = SWARM["users"] if args.users is None else args.users
+    args.rounds = ROUNDS if args.rounds is None else args.rounds
+    args.out = args.out or Path("results/demo")
+    args.time_scale = 0.25 if args.time_scale is None else args.time_scale
+    args.console_shown = False
+    workload = build_workload("swarm", {**SWARM, "users": args.users, "seed": args.seed})
+    if args.num_blocks is None:
+        args.num_blocks = pool_blocks(workload, args.time_scale) + 1  # + vLLM's null block
+    if args.tier_blocks is None:
+        args.tier_blocks = args.num_blocks
     print(
         f"kvkeeper demo: agent swarm ({args.users} users, 6 agents with shared anchors, tool "
         f"pauses) on a simulated H100 engine with {args.num_blocks} KV blocks "
-        f"(half the working set) and a {args.tier_blocks}-block CPU tier",
+        f"(half the working set) and a {args.tier_blocks}-block CPU tier; {args.rounds} "
+        "round(s), each playing the three stacks in a rotated order",
         flush=True,
     )
-    results: list[RunResult] = []
+    rounds: list[list[RunResult]] = []
     did: dict[str, float] = {}
-    for i, label in enumerate(TARGETS):
-        print(f"run {i + 1}/3: {label}", flush=True)
-        result, got = await _one(args, label)
-        results.append(result)
-        did = got or did
-    report = render_report(results, args.out)
-    print()
-    print(table(results, did))
-    print(f"\nreport: {report}  plots: {args.out / 'ttft_cdf.png'}, {args.out / 'hit_rate.png'}")
+    for k in range(args.rounds):
+        got: dict[int, RunResult] = {}
+        for j, i in enumerate(order(k)):
+            t0 = time.monotonic()
+            print(f"round {k + 1}/{args.rounds}, run {j + 1}/3: {TARGETS[i]}", flush=True)
+            got[i], seen = await _one(args, workload, TARGETS[i], f"{time.time()}")
+            print(progress(got[i], time.monotonic() - t0), flush=True)
+            for name, v in seen.items():
+                did[name] = did.get(name, 0.0) + v
+        rounds.append([got[i] for i in range(3)])
+    finish(rounds, did, args.out, engine_time=True)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.real:
+        from loadgen.demo_real import demo_real
+
+        return asyncio.run(demo_real(args))
     return asyncio.run(demo(args))

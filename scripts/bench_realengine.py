@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.bench_compare import CompareSpec, run_compare  # noqa: E402
+from loadgen.realstack import SWARM as REALENGINE_SWARM  # noqa: E402
 from loadgen.records import RunResult  # noqa: E402
 from loadgen.runner import RunOptions  # noqa: E402
 from loadgen.sim.server import SimConfig  # noqa: E402
@@ -54,23 +55,8 @@ from proxy.engine_cli import (  # noqa: E402
     wait_ready,
 )
 
-# The 200-block pool holds 6,400 tokens; this swarm's peak working set is ~360 blocks, LRU keeps
-# ~51% of prompt tokens, Belady ~63%, an infinite cache ~81% (planned ceilings). No prompt plus
-# output exceeds the engine's 4,096-token context.
 WORKLOAD = "swarm"
-PARAMS: dict[str, Any] = {
-    "seed": 0,
-    "users": 8,
-    "agents": 5,
-    "arrival_rate": 1.0,
-    "token_scale": 0.5,
-    "anchor_max": 5000,
-    "min_dispatches": 3,
-    "max_dispatches": 5,
-    "pause_min": 3.0,
-    "pause_cap": 15.0,
-    "output_tokens": 48,
-}
+PARAMS: dict[str, Any] = REALENGINE_SWARM
 TARGETS = ("engine", "none", "full")
 BEGIN = "<!-- realengine-bench:begin -->"
 END = "<!-- realengine-bench:end -->"

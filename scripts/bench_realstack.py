@@ -21,37 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen.bench_compare import CompareSpec, run_compare  # noqa: E402
-from loadgen.runner import RunOptions  # noqa: E402
+from loadgen.bench_compare import run_compare  # noqa: E402
+from loadgen.realstack import SWARM as REALENGINE_SWARM  # noqa: E402
+from loadgen.realstack import lmcache_stack, spec_for, vllm_engines  # noqa: E402
 from loadgen.sim.profiles import CPU_SMOLLM2  # noqa: E402
-from loadgen.sim.server import SimConfig  # noqa: E402
 from loadgen.workloads import build_workload, parse_overrides  # noqa: E402
-from loadgen.workloads.hints import HintPolicy  # noqa: E402
-from proxy.engine_cli import (  # noqa: E402
-    SERVED_NAME,
-    EngineSpec,
-    ensure_engine_installed,
-    free_port,
-    start_engine,
-    stop_engine,
-    wait_ready,
-)
-from scripts.bench_realengine import PARAMS as REALENGINE_SWARM  # noqa: E402
+from proxy.engine_cli import ensure_engine_installed  # noqa: E402
 
-STACK = ROOT / "deploy" / "local" / "lmcache-stack.sh"
 # the scaled swarm of scripts/bench_realengine.py: its peak working set is ~1.8x the 200-block
 # pool, and no prompt plus output exceeds the engine's 4,096-token context
 WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -59,80 +43,6 @@ WORKLOADS: dict[str, tuple[str, dict[str, Any]]] = {
     # the CacheScout setting, its blocks rounded up to vLLM-CPU's 32 tokens
     "cachescout": ("cachescout", {"users": 8, "arrival_rate": 0.5}),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Engine:
-    url: str
-    events: str
-
-
-@contextmanager
-def lmcache_stack(folder: Path, l1_gb: str) -> Iterator[dict[str, str]]:
-    ports = {name: free_port() for name in ("coord", "mp", "http", "prom")}
-    env = dict(os.environ)
-    env.update(
-        LMCACHE_RUN_DIR=str(folder),
-        LMCACHE_COORD_PORT=str(ports["coord"]),
-        LMCACHE_MP_PORT=str(ports["mp"]),
-        LMCACHE_HTTP_PORT=str(ports["http"]),
-        LMCACHE_PROM_PORT=str(ports["prom"]),
-        LMCACHE_L1_GB=l1_gb,
-        LMCACHE_L2_ADAPTER="none",
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["bash", str(STACK), "start"], env=env, check=True, timeout=300)
-    try:
-        yield {
-            "coordinator_url": f"http://127.0.0.1:{ports['coord']}",
-            "server_url": f"http://127.0.0.1:{ports['http']}",
-            "mp_port": str(ports["mp"]),
-        }
-    finally:
-        subprocess.run(["bash", str(STACK), "stop"], env=env, check=False, timeout=120)
-
-
-@contextmanager
-def vllm(num_blocks: int, connector: dict[str, Any] | None) -> Iterator[Engine]:
-    python, model_dir = ensure_engine_installed()
-    extra: tuple[str, ...] = ()
-    if connector is not None:
-        extra = ("--kv-transfer-config", json.dumps(connector))
-    spec = EngineSpec(
-        port=free_port(),
-        num_blocks=num_blocks,
-        events_port=free_port(),
-        extra_args=extra,
-        extra_env={"LMCACHE_DISABLE_BANNER": "1"},
-    )
-    proc = start_engine(spec, python, model_dir)
-    try:
-        took = wait_ready(spec, proc, timeout=600)
-        print(f"vLLM ({'LMCache' if connector else 'plain'}) ready in {took:.0f}s", flush=True)
-        assert spec.events_endpoint is not None
-        yield Engine(spec.url, spec.events_endpoint)
-    finally:
-        stop_engine(spec.port)
-
-
-def spec_for(
-    out: Path, eng: Engine, targets: tuple[str, ...], lmcache: dict[str, Any] | None, blocks: int
-) -> CompareSpec:
-    return CompareSpec(
-        out=out,
-        targets=targets,
-        engine_urls=(eng.url,),
-        engine_events=(eng.events,),
-        capacity_blocks=blocks - 1,  # block 0 is vLLM's null block
-        sim=SimConfig(block_size=32),  # only its block size is read (retention)
-        options=RunOptions(concurrency=16, progress=False, request_timeout=600),
-        hints=HintPolicy(),
-        api="completions-ids",
-        retention={"hash_seed": "0"},
-        offload=lmcache is not None,
-        engine_lmcache=lmcache,
-        model=SERVED_NAME,
-    )
 
 
 def figures(t: dict[str, Any]) -> dict[str, Any]:
@@ -161,21 +71,9 @@ async def play(args: argparse.Namespace) -> dict[str, Any]:
     workload = build_workload(name, {**params, **parse_overrides(args.param)})
     rounds: list[dict[str, Any]] = []
     with lmcache_stack(args.out / "lmcache", args.l1_gb) as stack:
-        connector = {
-            "kv_connector": "LMCacheMPConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "tcp://127.0.0.1",
-                "lmcache.mp.port": int(stack["mp_port"]),
-            },
-        }
         _, model_dir = ensure_engine_installed()
-        tier = {
-            "coordinator_url": stack["coordinator_url"],
-            "server_url": stack["server_url"],
-            "model_name": str(model_dir),  # LMCache keys carry vLLM's --model
-        }
-        with vllm(args.num_blocks, connector) as lmc, vllm(args.num_blocks, None) as plain:
+        tier = stack.tier(model_dir)
+        with vllm_engines(args.num_blocks, [stack.connector(), None]) as (lmc, plain):
             for k in range(args.rounds):
                 where = args.out / args.workload / f"round{k + 1}"
                 plays = [

@@ -36,6 +36,7 @@ from proxy.errors import (
 )
 from proxy.guards import Guards
 from proxy.hashcheck import HASH_CHECKS, check_engines
+from proxy.known import KnownSessions
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics
 from proxy.operations import SessionOps
@@ -230,9 +231,12 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         redis = open_redis(url)
         store_watch = StoreWatch(metrics, "embedded" if embedded else redacted(url))
 
+        known = KnownSessions(on_created=metrics.sessions_created.inc)
+
         def store_failed() -> None:
             metrics.redis_errors.inc()
             store_watch.failed()
+            known.forget_all()  # until Redis answers again, every hint registers
 
         store = SessionStore(
             redis, settings.limits, namespace=settings.namespace, on_error=store_failed
@@ -240,7 +244,10 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
         store_watch.store = store
         pool = EnginePool(build_engines(settings, client), client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
-        rt.completions = CompletionWriter(store, on_drop=metrics.completions_dropped.inc)
+        rt.completions = CompletionWriter(
+            store, on_drop=metrics.completions_dropped.inc, known=known
+        )
+        rt.known = known
         if edits is not None:
             rt.edits = edits
         app[RUNTIME] = rt

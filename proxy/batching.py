@@ -53,18 +53,38 @@ def _text_bulk(value: Arg) -> str:
     return f"${len(text)}\r\n{text}\r\n"
 
 
+def pack_values(items: Sequence[Arg]) -> bytes:
+    """Values as RESP bulk strings, one after the other."""
+    if not any(type(v) is bytes for v in items):
+        return _pack_text(items)
+    # bytes (context blobs among a completion's numbers and ids) as they are, the text
+    # between them packed together
+    parts: list[bytes] = []
+    start = 0
+    for i, v in enumerate(items):
+        if type(v) is bytes:
+            if i > start:
+                parts.append(_pack_text(items[start:i]))
+            parts.append(b"$%d\r\n%b\r\n" % (len(v), v))
+            start = i + 1
+    if start < len(items):
+        parts.append(_pack_text(items[start:]))
+    return b"".join(parts)
+
+
+def _pack_text(items: Sequence[Arg]) -> bytes:
+    """Values that are not bytes: in one join and one encode, twice as fast as packing each
+    value (ids, keys, numbers); text that is not ASCII takes the general path."""
+    text = "".join([f"${len(v)}\r\n{v}\r\n" if type(v) is str else _text_bulk(v) for v in items])
+    if text.isascii():
+        return text.encode()
+    return b"".join([_bulk(v) for v in items])
+
+
 def pack_tail(keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[int, bytes]:
     """numkeys, keys and args as RESP bulk strings: (how many, bytes)."""
     items = [len(keys), *keys, *args]
-    # the hot path (upserts: ids, keys, numbers) in one join and one encode, twice as fast as
-    # packing each value; bytes, and text that is not ASCII, take the general path
-    if not any(type(v) is bytes for v in items):
-        text = "".join(
-            [f"${len(v)}\r\n{v}\r\n" if type(v) is str else _text_bulk(v) for v in items]
-        )
-        if text.isascii():
-            return len(items), text.encode()
-    return len(items), b"".join([_bulk(v) for v in items])
+    return len(items), pack_values(items)
 
 
 def pack_command(head: bytes, n_head: int, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
@@ -96,15 +116,19 @@ class ScriptBatcher:
     async def call(self, script: str, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         # packed here, in the caller: arguments that cannot be packed (text with a lone
         # surrogate) fail this call alone, never the batch it would have joined
+        n, tail = pack_tail(keys, args)
+        return await self.submit(script, n, tail)
+
+    def submit(self, script: str, n: int, tail: bytes) -> asyncio.Future[Any]:
+        """Queue a call already packed (``n`` items: numkeys, keys, args); its reply's future."""
         if script not in self._head:
             raise KeyError(f"unknown script {script!r}")
-        n, tail = pack_tail(keys, args)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((script, n, tail, fut))
         if len(self._pending) == 1 and not self._draining:
             loop.call_soon(self._start)
-        return await fut
+        return fut
 
     def _start(self) -> None:
         if self._draining or not self._pending:
@@ -146,6 +170,14 @@ class ScriptBatcher:
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the batcher's connection is open and Redis has not closed it (its end of
+        the socket read: a stopped or killed Redis closes it)."""
+        conn = self._conn
+        reader = getattr(conn, "_reader", None)
+        return conn is not None and conn.is_connected and reader is not None and not reader.at_eof()
 
     async def _connection(self) -> tuple[AbstractConnection, bool]:
         """The batcher's connection, and whether it was opened just now."""

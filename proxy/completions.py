@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.context import encode_context
+from proxy.known import KnownSessions
 from proxy.store import SessionStore, StoreDown, Usage
 
 log = logging.getLogger("kvkeeper.completions")
@@ -63,8 +64,10 @@ class CompletionWriter:
         interval_s: float = 0.05,
         max_pending: int = 50_000,
         on_drop: Callable[[int], None] | None = None,
+        known: KnownSessions | None = None,
     ) -> None:
         self.store = store
+        self.known = known  # its written-behind upserts go out first, in the same write
         self.interval_s = interval_s
         self.max_pending = max_pending
         self._on_drop = on_drop
@@ -106,12 +109,22 @@ class CompletionWriter:
             self._pending[(tenant, sid)] = record
         else:
             current.merge(record)
+        if self.known is not None:
+            self.known.completed(tenant, sid, engine, now, usage.prompt_tokens)
+        self.wake()
+
+    def wake(self) -> None:
+        """Write within ``interval_s`` (a record or an upsert written behind is waiting)."""
         if self._timer is None and self._writing is None:
             self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._start)
 
+    @property
+    def _due(self) -> bool:
+        return bool(self._pending) or (self.known is not None and self.known.pending)
+
     def _start(self) -> None:
         self._timer = None
-        if self._pending and self._writing is None:
+        if self._due and self._writing is None:
             self._writing = asyncio.get_running_loop().create_task(self._write_pending())
 
     async def _write_pending(self) -> None:
@@ -121,12 +134,16 @@ class CompletionWriter:
             log.exception("writing finished requests failed")
         finally:
             self._writing = None
-            if self._pending and self._timer is None:
+            if self._due and self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._start)
 
     async def _write_taken(self) -> None:
         async with self._lock:
             batch, self._pending = self._pending, {}
+            if self.known is not None:
+                # taken with the records: each record's own upsert is among them (or was sent
+                # before), and goes out first, as it would have before the request was answered
+                await self.known.write(self.store, self.known.take())
             if batch:
                 await self._write(batch)
 

@@ -8,6 +8,7 @@ level, at about the same ratio. ``KVK1`` (zlib) blobs written by earlier version
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from dataclasses import dataclass
@@ -45,10 +46,14 @@ def encode_context(
     breakpoint: tuple[str, int] | None = None,
     block_offset: int | None = None,
 ) -> bytes:
-    meta = {"route": route, "breakpoint": breakpoint, "block_offset": block_offset}
-    header = json.dumps(meta, separators=(",", ":"))
     payload: bytes = lz4.block.compress(body)
-    return MAGIC + header.encode() + b"\n" + payload
+    return _header(route, breakpoint, block_offset) + payload
+
+
+@functools.lru_cache(maxsize=256)
+def _header(route: str, breakpoint: tuple[str, int] | None, block_offset: int | None) -> bytes:
+    meta = {"route": route, "breakpoint": breakpoint, "block_offset": block_offset}
+    return MAGIC + json.dumps(meta, separators=(",", ":")).encode() + b"\n"
 
 
 def decode_context(blob: bytes) -> RecordedContext:

@@ -72,7 +72,7 @@ class Forwarded:
 
 
 async def forward(
-    rt: Runtime, out: Outbound, registering: asyncio.Task[Registration] | None
+    rt: Runtime, out: Outbound, registering: asyncio.Future[Registration] | None
 ) -> Forwarded:
     """Place, send, relay, account. A hinted request waits for its registration before
     choosing an engine only when the choice depends on the session (several engines, a prompt

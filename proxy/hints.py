@@ -85,6 +85,8 @@ def _check_id(value: Any, param: str, limits: Limits) -> str:
         raise _fail(f"{param} must be a non-empty string", param)
     if len(value) > limits.max_session_id_len:
         raise _fail(f"{param} is longer than {limits.max_session_id_len} characters", param)
+    if value.isascii() and value.isprintable():  # most ids: no control characters, UTF-8
+        return value
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise _fail(f"{param} must not contain control characters", param)
     try:  # a lone surrogate ("\\ud800" in JSON, undecodable header bytes) has no UTF-8 form

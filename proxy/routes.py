@@ -35,15 +35,18 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     parsed = parse_request(request.path, request.headers, raw, rt.settings.limits)
     hint = parsed.hint
-    registering: asyncio.Task[Registration] | None = None
+    registering: asyncio.Future[Registration] | None = None
     if hint is not None:
         for dialect in hint.dialects:
             rt.metrics.child(rt.metrics.hints, dialect).inc()
         if hint.manage_request:
             access_info(request).hint = "manage_request"
             return await _manage(rt, tenant, hint)
-        # the Redis round trip runs while the request travels to the engine
-        registering = asyncio.create_task(rt.register(tenant, hint))
+        if (repeat := rt.register_repeat(tenant, hint)) is not None:
+            registering = asyncio.get_running_loop().create_future()
+            registering.set_result(repeat)
+        else:  # the Redis round trip runs while the request travels to the engine
+            registering = asyncio.create_task(rt.register(tenant, hint))
     # a Responses request continuing a stored response runs where that response is stored
     previous = previous_response_id(request.path, parsed.json_body, raw)
     out = Outbound(
@@ -60,7 +63,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         done = await forward(rt, out, registering)
         failed = not done.ok
     finally:
-        if registering is not None and not registering.done():
+        if isinstance(registering, asyncio.Task) and not registering.done():
             rt.keep(registering)  # forwarding failed first: let the registration finish
         if registering is not None and hint is not None and failed:
             rt.spawn(rt.unregister_failed(tenant, hint, registering))

@@ -24,6 +24,7 @@ from proxy.upstream import EnginePool
 
 if TYPE_CHECKING:
     from proxy.completions import CompletionWriter
+    from proxy.known import KnownSessions
     from proxy.longterm import LongRetention
     from proxy.prefix_share import PrefixShare
     from proxy.retention import Retention
@@ -37,6 +38,7 @@ class Registration:
 
     outcome: str  # the X-KVKeeper-Hint header value
     upserted: Upserted | None  # None when the hint could not be recorded
+    behind: bool = False  # a known session's repeat: its upsert is written behind
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Runtime:
     retention: Retention | None = None
     longterm: LongRetention | None = None  # retention beyond the GPU cap (proxy/longterm.py)
     completions: CompletionWriter | None = None
+    known: KnownSessions | None = None  # repeats of known sessions skip the upsert's round trip
     placer: Placer = field(init=False)
     prefix_share: PrefixShare | None = None  # the placer's prefix index shared with replicas
     started: float = field(default_factory=time.time)
@@ -82,6 +85,21 @@ class Runtime:
             with contextlib.suppress(StoreDown):
                 await self.completions.flush()
 
+    def register_repeat(self, tenant: str, hint: Hint) -> Registration | None:
+        """A repeat of a session Redis accepted a moment ago: accepted without a round trip,
+        its upsert written behind (``proxy/known.py``); None when it must register."""
+        if self.known is None or self.completions is None or self.store is None:
+            return None
+        if not self.store.answering:
+            return None
+        up = self.known.repeat(tenant, hint, time.time())
+        if up is None:
+            return None
+        self.completions.wake()
+        self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
+        notes = "".join(f"; note={n}" for n in hint.notes)
+        return Registration("accepted" + notes, self._with_buffered(tenant, hint, up), True)
+
     async def register(self, tenant: str, hint: Hint) -> Registration:
         """Upsert the hint's session; never raises: Redis trouble fails open."""
         notes = "".join(f"; note={n}" for n in hint.notes)
@@ -98,17 +116,21 @@ class Runtime:
             return Registration("rejected; reason=store_unavailable", None)
         if up.created:
             self.metrics.sessions_created.inc()
+        if self.known is not None:
+            self.known.accepted(tenant, hint, up)
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
         return Registration("accepted" + notes, self._with_buffered(tenant, hint, up))
 
     async def unregister_failed(
-        self, tenant: str, hint: Hint, registering: asyncio.Task[Registration]
+        self, tenant: str, hint: Hint, registering: asyncio.Future[Registration]
     ) -> None:
         """The request failed upstream: a session its registration created is removed again
         (kept if another request has used it meanwhile); a kept one is not left ``active``."""
         reg = await registering
         if reg.upserted is None or self.store is None:
             return
+        if reg.behind:  # its upsert, written behind, goes first
+            await self.settle()
         with contextlib.suppress(StoreDown):
             if await self.store.unregister(tenant, hint, time.time()):
                 self.metrics.child(self.metrics.hint_outcomes, "unregistered", "").inc()

@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+from collections.abc import Awaitable
 from typing import Any
 
+from proxy.batching import ScriptBatcher, pack_tail, pack_values
 from proxy.hints import Hint
 from proxy.store_base import StoreBase
 from proxy.store_mirror import FEED_MAX, FEED_PAGE, LOAD_PAGE, ProtectedMirror
@@ -26,6 +29,9 @@ from proxy.store_model import (
     decode_session,
 )
 from proxy.store_pins import PinLedger
+
+# a session's upsert packed but for its time, stale cutoff and request count
+Template = tuple[int, bytes, bytes]
 
 __all__ = [
     "BRIEF",
@@ -50,6 +56,57 @@ class SessionStore(ProtectedMirror, PinLedger):
     # --- hot path -----------------------------------------------------------------------------
     async def upsert(self, tenant: str, hint: Hint, now: float) -> Upserted:
         """Create or refresh the hint's session (one round trip). Raises StoreRejected/StoreDown."""
+        keys, args = self._upsert_call(tenant, hint, now, 1)
+        reply = await self._call(lambda: self.scripts.call("upsert", keys, args))
+        return await self._upserted(tenant, reply)
+
+    def upsert_template(self, tenant: str, hint: Hint) -> Template:
+        """The packed parts of the hint's upsert that its repeats share: (how many items,
+        numkeys and keys, the arguments between the time and the stale cutoff)."""
+        keys, args = self._upsert_call(tenant, hint, 0.0, 1)
+        n, head = pack_tail(keys, [])
+        return n + len(args), head, pack_values(args[1:11])
+
+    async def upsert_many(
+        self, calls: list[tuple[str, Hint, float, int, Template]]
+    ) -> list[Upserted | StoreRejected]:
+        """``upsert`` for several (tenant, hint, now, requests it stands for, its template) in
+        one pipeline: a rejection is returned in its place; StoreDown when Redis fails."""
+        scripts = self.scripts
+
+        def send() -> Awaitable[list[Any]]:
+            if isinstance(scripts, ScriptBatcher):  # only what changes is packed per call
+                return asyncio.gather(
+                    *(
+                        scripts.submit("upsert", tpl[0], self._tail(tpl, now, r))
+                        for *_, now, r, tpl in calls
+                    )
+                )
+            return asyncio.gather(
+                *(
+                    scripts.call("upsert", *self._upsert_call(t, h, now, r))
+                    for t, h, now, r, _ in calls
+                )
+            )
+
+        replies = await self._call(send)
+        out: list[Upserted | StoreRejected] = []
+        for (tenant, *_), reply in zip(calls, replies, strict=True):
+            try:
+                out.append(await self._upserted(tenant, reply))
+            except StoreRejected as exc:
+                out.append(exc)
+        return out
+
+    def _tail(self, template: Template, now: float, requests: int) -> bytes:
+        """An upsert's packed keys and arguments from its template (as ``_upsert_call``)."""
+        _, head, middle = template
+        stale = repr(now - self.limits.idle_expiry_s)
+        return b"".join((head, pack_values((repr(now),)), middle, pack_values((stale, requests))))
+
+    def _upsert_call(
+        self, tenant: str, hint: Hint, now: float, requests: int
+    ) -> tuple[list[str], list[str | int]]:
         sid, parent = hint.session_id, hint.parent_session_id or ""
         keys = [
             self.key("s", tenant, sid),
@@ -76,8 +133,11 @@ class SessionStore(ProtectedMirror, PinLedger):
             self.limits.idle_expiry_s,
             f"{tenant}{SEP}{sid}",
             repr(now - self.limits.idle_expiry_s),
+            requests,
         ]
-        reply = await self._call(lambda: self.scripts.call("upsert", keys, args))
+        return keys, args
+
+    async def _upserted(self, tenant: str, reply: Any) -> Upserted:
         if reply[0] != b"ok":
             raise StoreRejected(as_text(reply[0]))
         _, created, engine, parent_engine, last_active, last_prompt = reply

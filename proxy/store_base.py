@@ -131,6 +131,14 @@ class StoreBase:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
+    @property
+    def answering(self) -> bool:
+        """Whether Redis may be taken to accept a known session's repeat without asking: no
+        recent failure, and the script connection open and not closed by Redis (a single
+        Redis or Sentinel's master; never on a cluster, whose calls go to several nodes)."""
+        scripts = self.scripts
+        return self.available and isinstance(scripts, ScriptBatcher) and scripts.connected
+
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         if not self.available:
             raise StoreDown("redis unavailable (cooling down after an error)")

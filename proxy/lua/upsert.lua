@@ -7,6 +7,7 @@
 -- ARGV[1] now  ARGV[2] sid  ARGV[3] tenant  ARGV[4] parent sid or ""  ARGV[5] agent or ""
 -- ARGV[6] ttl seconds or "" (no change)  ARGV[7] retention  ARGV[8] max sessions per tenant
 -- ARGV[9] max children  ARGV[10] safety expiry seconds  ARGV[11] deadline member  ARGV[12] stale cutoff
+-- ARGV[13] requests this call stands for (several repeats of a known session, written behind)
 -- Returns {status, created, engine, parent_engine, last_active, last_prompt_tokens} as they were
 -- before this request; status "ok" or a rejection reason.
 local now = tonumber(ARGV[1])
@@ -62,7 +63,7 @@ if parent ~= '' then
   end
 end
 redis.call('HSET', KEYS[1], 'last_seen', now, 'state', 'active', 'retention', ARGV[7])
-redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('HINCRBY', KEYS[1], 'requests', tonumber(ARGV[13] or '1'))
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'agent', ARGV[5]) end
 if ARGV[6] ~= '' then
   local ttl = tonumber(ARGV[6])

@@ -4,8 +4,12 @@ value, and falls back for bytes and non-ASCII text (a lone surrogate still raise
 from __future__ import annotations
 
 import pytest
+from redis.asyncio import Redis
 
 from proxy.batching import Arg, _bulk, pack_tail
+from proxy.hints import Hint
+from proxy.settings import Limits
+from proxy.store import SessionStore
 
 KEYS: list[Arg] = ["kvk:s:t:sess1", "kvk:idx:t", "", "kvk:ch:t:sess1"]
 
@@ -21,6 +25,8 @@ def _reference(keys: list[Arg], args: list[Arg]) -> tuple[int, bytes]:
         ["1733372400.123", "sess1", "t", "", 10_000, 256, -3, True, 1.5, 2.5e-7, float("inf")],
         ["é", "t\x1fsess1"],  # non-ASCII: packed per value (length in bytes)
         [b"\x00\xff", "x"],  # bytes (a context blob)
+        ["a", 7, b"ctx", 2.5, "\u00e9", b"", b"z", "tail", 3],  # text runs between bytes
+        [1, b"end"],
         [],
     ],
 )
@@ -31,3 +37,22 @@ def test_pack_tail_matches_packing_each_value(args: list[Arg]) -> None:
 def test_pack_tail_rejects_a_lone_surrogate() -> None:
     with pytest.raises(UnicodeEncodeError):
         pack_tail(KEYS, ["evil\ud800"])
+
+
+@pytest.mark.parametrize(
+    "hint",
+    [
+        Hint("s1", ttl_s=300.0),
+        Hint("s\u00e9", parent_session_id="p", agent_name="planner", retention="extended"),
+        Hint("s2", ttl_s=0.0),
+    ],
+)
+def test_upsert_template_packs_the_same_call(hint: Hint) -> None:
+    """A known session's repeat sends its upsert from a template packed once: the same bytes
+    as packing the whole call (proxy/known.py)."""
+    store = SessionStore(Redis(), Limits(), namespace="kvk")  # nothing is sent
+    template = store.upsert_template("t", hint)
+    for now, requests in ((1733372400.125, 1), (1733372401.5, 7)):
+        n, tail = pack_tail(*store._upsert_call("t", hint, now, requests))
+        assert template[0] == n
+        assert store._tail(template, now, requests) == tail

@@ -1,0 +1,136 @@
+"""Repeats of a session Redis accepted a moment ago skip the upsert's round trip (proxy/known.py):
+answered ``accepted`` from memory, their upsert written behind before their completion, so Redis
+ends in the state the synchronous upserts left it in."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from proxy.runtime import RUNTIME, Runtime
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import Stack, proxy_stack
+
+CHAT = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "a long shared system prompt " * 20}],
+}
+
+
+def _hinted(sid: str, ttl: float = 120, **more: Any) -> dict[str, Any]:
+    hint = {"session_id": sid, "cache_control": {"type": "ephemeral", "ttl": ttl}, **more}
+    return {**CHAT, "agent_hint": hint}
+
+
+async def _post(st: Stack, body: dict[str, Any]) -> tuple[int, str]:
+    resp = await st.client.post("/v1/chat/completions", json=body)
+    await resp.read()
+    return resp.status, resp.headers.get("X-KVKeeper-Hint", "")
+
+
+def _rt(st: Stack) -> Runtime:
+    app = st.client.app
+    assert app is not None
+    rt: Runtime = app[RUNTIME]
+    return rt
+
+
+async def test_repeats_skip_the_upsert_and_reach_redis_behind(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.known is not None and rt.store is not None
+        assert rt.completions is not None
+        rt.completions.interval_s = 30.0  # written when settled
+        assert await _post(st, _hinted("k")) == (200, "accepted")
+        await rt.settle()
+        store, sent = rt.store, []
+        upsert, upsert_many = store.upsert, store.upsert_many
+
+        async def registered(*args: Any) -> Any:
+            sent.append("upsert")
+            return await upsert(*args)
+
+        async def behind(calls: Any) -> Any:
+            sent.extend(f"behind x{requests}" for *_, requests, _ in calls)
+            return await upsert_many(calls)
+
+        setattr(store, "upsert", registered)  # noqa: B010
+        setattr(store, "upsert_many", behind)  # noqa: B010
+        start = time.time()
+        for _ in range(3):
+            assert await _post(st, _hinted("k")) == (200, "accepted")
+        assert rt.known.repeats == 3 and sent == []
+        await rt.settle()
+        assert sent == ["behind x3"]  # one upsert standing for the three repeats
+        session = await rt.store.get("default", "k")
+        assert session is not None
+        assert session.counters["requests"] == 4
+        assert session.state == "protected"  # each completion came after its upsert
+        assert session.last_seen >= start and session.ttl_until >= start + 120
+        assert session.counters["prompt_tokens"] > 0
+
+
+async def test_another_shape_registers_and_a_failure_forgets_every_session(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.known is not None and rt.store is not None and rt.completions is not None
+        rt.completions.interval_s = 30.0  # written when settled: the order is the test's
+        await _post(st, _hinted("a"))
+        await _post(st, _hinted("a"))  # a repeat, its upsert queued
+        await _post(st, _hinted("a", ttl=60))  # another TTL: the upsert decides, at once
+        assert rt.known.repeats == 1
+        await rt.settle()
+        session = await rt.store.get("default", "a")
+        # the queued upsert went out after the registration and asked what it asked
+        assert session is not None and session.ttl == 60
+        assert session.counters["requests"] == 3
+        await _post(st, _hinted("a", ttl=60))
+        assert rt.known.repeats == 2
+        rt.known.forget_all()  # what a failed Redis call does (proxy/app.py)
+        await _post(st, _hinted("a", ttl=60))
+        assert rt.known.repeats == 2
+
+
+async def test_a_freed_session_repeated_is_created_again(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    from tests.integration.proxy_fixtures import ADMIN_HEADERS
+
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.known is not None and rt.store is not None
+        await _post(st, _hinted("f"))
+        await rt.settle()
+        freed = await st.client.delete("/admin/sessions/f", headers=ADMIN_HEADERS)
+        assert freed.status in (200, 204)
+        assert await rt.store.get("default", "f") is None
+        assert await _post(st, _hinted("f")) == (200, "accepted")
+        await rt.settle()
+        session = await rt.store.get("default", "f")
+        assert session is not None and session.ttl_until > time.time()
+        metrics = await (await st.client.get("/metrics")).text()
+        assert "kvkeeper_sessions_created_total 2.0" in metrics
+
+
+async def test_a_failed_repeat_leaves_its_session_kept_and_not_active(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.known is not None and rt.store is not None
+        await _post(st, _hinted("x"))
+        status, outcome = await _post(st, {**_hinted("x"), "model": "error"})
+        assert status == 400 and outcome.startswith("rejected; reason=upstream_status_400")
+        assert rt.known.repeats == 1
+        for _ in range(50):  # the unregistration runs off the request path
+            await asyncio.sleep(0.02)
+            session = await rt.store.get("default", "x")
+            if session is not None and session.state != "active":
+                break
+        assert session is not None and session.state == "protected"
+        assert session.counters["requests"] == 2

@@ -8,7 +8,7 @@ size makes every comparison miss, silently: kvkeeper would see nothing resident.
 So kvkeeper checks the engine's own events, without sending anything: until decided, the
 subscriber decodes the token ids of stored blocks, and for each ``BlockStored`` that starts a
 prompt (no parent block) kvkeeper hashes the same tokens and compares. The process holding the
-engine's KV-event subscription (its lease holder) checks; a mismatch reaches the others through
+engine's KV-event subscription (its lease holder) checks; the result reaches the others through
 its relay (``proxy/residency_share.py``).
 
 - a match: ``ok`` (token ids are no longer decoded);
@@ -156,6 +156,10 @@ async def check_engine(
                 result.status = "mismatch"
                 result.detail = "the process subscribed to the engine's KV events found it"
                 break
+            if es.signals.hashes_match and not decided.is_set():  # ... or that they match
+                result.status, result.checked_at = "ok", time.time()
+                result.detail = "checked by the process subscribed to the engine's KV events"
+                break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(decided.wait(), SUBSCRIBED_POLL_S)
     finally:
@@ -165,6 +169,8 @@ async def check_engine(
         if sub is not None and isinstance(checking, CheckingSink):
             sub.sink, sub.token_ids = checking.inner, checking.token_ids_before
     if result.status == "ok":
+        if not es.signals.hashes_match:
+            es.signals.matched()
         metrics.hash_check.labels(name).set(1)
         log.info("hash check on %s: ok (%s)", name, result.detail)
     elif result.status == "mismatch":

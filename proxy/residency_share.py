@@ -39,7 +39,8 @@ _STORED, _REMOVED, _CLEARED, _OFF = b"s", b"r", b"x", b"o"
 # a process (re)subscribed to the channel and asks for snapshots; a snapshot: the engine's
 # residency replaced (reset, then its resident blocks per medium), applied by joining processes
 _HELLO, _RESET, _SNAPSHOT = b"h", b"R", b"S"
-_KINDS = (_STORED, _REMOVED, _CLEARED, _OFF, _HELLO, _RESET, _SNAPSHOT)
+_MATCH = b"k"  # the subscribing process's hash self-check passed
+_KINDS = (_STORED, _REMOVED, _CLEARED, _OFF, _HELLO, _RESET, _SNAPSHOT, _MATCH)
 JOIN_S = 5.0  # how long after (re)subscribing a process applies the snapshots it receives
 
 # (kind, engine, medium, block hashes)
@@ -117,10 +118,15 @@ class ResidencyShare:
         for name, sig in signals.items():
             sig.tap.relay = _Relay(self, name, sig)
             sig.on_fallback = self.fell_back
+            sig.on_match = self.matched
 
     def fell_back(self, engine: str) -> None:
         """The hash self-check here found the engine's hashes differ: the others stop too."""
         self.publish([(_OFF, engine, "", ())])
+
+    def matched(self, engine: str) -> None:
+        """The hash self-check here passed: the others report it too."""
+        self.publish([(_MATCH, engine, "", ())])
 
     def publish(self, records: list[Record]) -> None:
         self._pending += records
@@ -145,10 +151,11 @@ class ResidencyShare:
         for name, sig in self.signals.items():
             if sig.subscribed:
                 index = sig.index
-                self.publish(
-                    [(_RESET, name, "", ())]
-                    + [(_SNAPSHOT, name, m, index.resident_blocks(m)) for m in index.media()]
-                )
+                records: list[Record] = [(_RESET, name, "", ())]
+                records += [(_SNAPSHOT, name, m, index.resident_blocks(m)) for m in index.media()]
+                if sig.hashes_match:
+                    records.append((_MATCH, name, "", ()))
+                self.publish(records)
 
     def start(self) -> None:
         self._listening = asyncio.create_task(
@@ -196,7 +203,9 @@ class ResidencyShare:
                 if events:
                     sig.relayed(EventBatch(0.0, tuple(events)))
                     events = []
-                if kind in (_CLEARED, _RESET):
+                if kind == _MATCH:
+                    sig.hashes_match = True
+                elif kind in (_CLEARED, _RESET):
                     self.snapshots += kind == _RESET
                     sig.relayed(None)
                 else:

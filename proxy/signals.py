@@ -111,6 +111,8 @@ class EngineSignals:
         self.events_on = False  # the engine's KV events feed the index (here or relayed)
         self.relayed_batches = 0  # event batches another process's subscription relayed
         self.on_fallback: Callable[[str], None] | None = None  # tell the others: events off
+        self.hashes_match = False  # the hash self-check passed (here or where it subscribes)
+        self.on_match: Callable[[str], None] | None = None  # tell the others: hashes match
         # sees each subscription as it starts, before its first batch (the hash self-check)
         self.on_subscribed: Callable[[EventSubscription], None] | None = None
         self.load: EngineLoad | None = None
@@ -158,6 +160,8 @@ class EngineSignals:
             self.subscription = self.adapter.subscribe(self.tap)
             if self.on_subscribed is not None:
                 self.on_subscribed(self.subscription)
+            if self.hashes_match and self.on_match is not None:  # for those joined meanwhile
+                self.on_match(self.name)
             log.info("kv events of %s: subscribed", self.name)
 
     async def unsubscribe(self) -> None:
@@ -188,6 +192,12 @@ class EngineSignals:
         else:
             self.relayed_batches += 1
             self.tap.apply(batch)
+
+    def matched(self) -> None:
+        """The hash self-check passed here: the other processes report it too."""
+        self.hashes_match = True
+        if self.on_match is not None:
+            self.on_match(self.name)
 
     def relayed_off(self) -> None:
         """The subscribing process found the engine's hashes are not ours: feedback mode."""

@@ -122,16 +122,18 @@ async def test_one_subscriber_per_engine_relayed_taken_over_and_retention_works(
                     return sorted(seen.values()) == [0, 1] and await summed() == 1
 
                 assert await _until(one_subscriber, 15), _subscribers(events_port, workers)
-                # the other worker learns the residency from the holder's relay
+                # the other worker learns the residency (and the hash check) from the holder's relay
                 await complete(prompt(7))
                 views: dict[str, dict[str, Any]] = {}
 
                 async def both_views() -> bool:
                     async with http.get(f"{base}/admin/engines", headers=ADMIN) as r:
-                        kv = (await r.json())["data"][0]["retention"]["kv_events"]
+                        engine = (await r.json())["data"][0]
+                    kv = {**engine["retention"]["kv_events"], "hashes": engine["hash_check"]}
                     views[kv["source"]] = kv
                     relay = views.get("relay", {})
-                    return "own" in views and relay.get("relayed_batches", 0) > 0
+                    checked = all(v["hashes"]["status"] == "ok" for v in views.values())
+                    return "own" in views and relay.get("relayed_batches", 0) > 0 and checked
 
                 assert await _until(both_views, 15, step=0.05), views
                 assert views["own"]["subscribed"] and not views["relay"]["subscribed"]
@@ -153,9 +155,15 @@ async def test_one_subscriber_per_engine_relayed_taken_over_and_retention_works(
                 # an unprotected one (either worker serves each request)
                 await complete(prompt(1), {"session_id": "kept", "cache_control": {"ttl": 300}})
                 await complete(prompt(2), {"session_id": "plain"})
-                await asyncio.sleep(1.0)  # the holder learns the session's blocks
-                for i in range(8):  # 8 x 63 blocks through a 200-block pool
-                    await complete(prompt(100 + i))
+
+                async def learned() -> bool:  # the session's block ids, in Redis for every worker
+                    async with http.get(f"{base}/admin/sessions/kept", headers=ADMIN) as r:
+                        return bool((await r.json())["residency"]["blocks"] == 63)
+
+                assert await _until(learned, 10)
+                for i in range(8):  # 8 x 63 blocks through a 200-block pool, paced for the
+                    await complete(prompt(100 + i))  # retention tick of a loaded 2-core machine
+                    await asyncio.sleep(0.25)
                 assert await complete(prompt(1), {"session_id": "kept"}) >= 0.95 * FULL
                 assert await complete(prompt(2), {"session_id": "plain"}) == 0
         finally:

@@ -88,11 +88,18 @@ async def test_the_holders_residency_reaches_the_other_process_and_hands_over(
             "relayed_batches": other.signals.relayed_batches,
         }
         assert other.signals.relayed_batches >= 1 and holder.signals.relayed_batches == 0
+        holder.signals.matched()  # the holder's hash self-check passed: the other reports it
+
+        async def match() -> bool:
+            return other.signals.hashes_match
+
+        assert await wait_for(match, within=5)
         # a process that joins later gets the holder's snapshot
         async with _process(redis_server.url, namespace) as (late, share):
 
             async def snapshot() -> bool:
-                return late.signals.resident(blocks) == 10 and share.snapshots == 1
+                late_ok = late.signals.resident(blocks) == 10 and late.signals.hashes_match
+                return late_ok and share.snapshots == 1
 
             assert await wait_for(snapshot, within=5)
         memory(holder).evict_all()

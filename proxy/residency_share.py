@@ -33,6 +33,9 @@ from proxy.signals import EngineSignals
 log = logging.getLogger("kvkeeper.residency_share")
 
 FLUSH_S = 0.02  # relayed events published together (residency this much late elsewhere)
+# block hashes per message at most (8 bytes each): a takeover's replay or a snapshot goes out in
+# pieces, well under Redis's output-buffer limit for a pub/sub client
+MAX_HASHES = 65_536
 ORIGIN_BYTES = 8
 _HEAD = struct.Struct("!cBBI")  # kind, engine name length, medium length, block hashes
 _STORED, _REMOVED, _CLEARED, _OFF = b"s", b"r", b"x", b"o"
@@ -94,6 +97,25 @@ def records_of(engine: str, batch: EventBatch | None) -> list[Record]:
     return out
 
 
+def split(records: Sequence[Record], limit: int = MAX_HASHES) -> list[list[Record]]:
+    """``records`` in order, in messages of at most ``limit`` block hashes (a longer record
+    split into several of its kind: stored, removed and snapshot records are per block)."""
+    parts: list[list[Record]] = [[]]
+    room = limit
+    for kind, engine, medium, hashes in records:
+        while True:
+            if not room and parts[-1]:
+                parts.append([])
+                room = limit
+            piece = hashes[:room]
+            parts[-1].append((kind, engine, medium, piece))
+            room -= len(piece)
+            hashes = hashes[len(piece) :]
+            if not hashes:
+                break
+    return parts
+
+
 class ResidencyShare:
     """Relay what this process's subscriptions apply; apply what the others relay."""
 
@@ -137,8 +159,9 @@ class ResidencyShare:
         while self._pending:  # what arrives while a message is on its way goes in the next one
             await asyncio.sleep(FLUSH_S)
             pending, self._pending = self._pending, []
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self.redis.publish(self.channel, encode(self.origin, pending))
+            for part in split(pending):
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await self.redis.publish(self.channel, encode(self.origin, part))
 
     def _hello(self) -> None:
         """Subscribed (again): what was relayed before, or meanwhile, was missed; the holders

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from adapters.kv_events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from proxy import residency_share
-from proxy.residency_share import ResidencyShare, decode, encode, records_of
+from proxy.residency_share import ResidencyShare, decode, encode, records_of, split
 from proxy.upstream import Engine
 from tests.helpers.redis_server import RedisServer
 from tests.integration.retention_fixtures import wait_for
@@ -42,6 +42,18 @@ def test_records_round_trip_and_malformed_payloads_raise() -> None:
         decode(payload[:-3])
     with pytest.raises(ValueError, match="unknown"):
         decode(b"12345678" + b"?" + payload[9:])
+
+
+def test_long_records_are_split_into_messages_in_order() -> None:
+    records = [(b"R", "a", "", ()), (b"S", "a", GPU, tuple(range(10))), (b"k", "a", "", ())]
+    parts = split(records, limit=4)
+    assert [[(k, len(h)) for k, _, _, h in part] for part in parts] == [
+        [(b"R", 0), (b"S", 4)],
+        [(b"S", 4)],
+        [(b"S", 2), (b"k", 0)],
+    ]
+    assert [x for part in parts for _, _, _, hs in part for x in hs] == list(range(10))
+    assert split([(b"x", "a", "", ())]) == [[(b"x", "a", "", ())]]
 
 
 @asynccontextmanager

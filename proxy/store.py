@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Awaitable
 from typing import Any
 
-from proxy.batching import ScriptBatcher, pack_tail, pack_values
+from proxy.batching import ScriptBatcher, pack_values
 from proxy.hints import Hint
 from proxy.store_base import StoreBase
 from proxy.store_mirror import FEED_MAX, FEED_PAGE, LOAD_PAGE, ProtectedMirror
@@ -30,8 +30,10 @@ from proxy.store_model import (
 )
 from proxy.store_pins import PinLedger
 
-# a session's upsert packed but for its time, stale cutoff and request count
-Template = tuple[int, bytes, bytes]
+# a session's upsert packed but for its time, stale cutoff and request count: (keys, arguments)
+Template = tuple[bytes, bytes]
+UPSERT_KEYS, UPSERT_ARGS = 10, 13  # per session (lua/upsert.lua)
+UPSERTS_PER_CALL = 128  # sessions per script call: Redis runs one call at a time
 
 __all__ = [
     "BRIEF",
@@ -61,35 +63,40 @@ class SessionStore(ProtectedMirror, PinLedger):
         return await self._upserted(tenant, reply)
 
     def upsert_template(self, tenant: str, hint: Hint) -> Template:
-        """The packed parts of the hint's upsert that its repeats share: (how many items,
-        numkeys and keys, the arguments between the time and the stale cutoff)."""
+        """The packed parts of the hint's upsert that its repeats share: (its keys, the
+        arguments between the time and the stale cutoff)."""
         keys, args = self._upsert_call(tenant, hint, 0.0, 1)
-        n, head = pack_tail(keys, [])
-        return n + len(args), head, pack_values(args[1:11])
+        return pack_values(keys), pack_values(args[1:11])
 
     async def upsert_many(
         self, calls: list[tuple[str, Hint, float, int, Template]]
     ) -> list[Upserted | StoreRejected]:
-        """``upsert`` for several (tenant, hint, now, requests it stands for, its template) in
-        one pipeline: a rejection is returned in its place; StoreDown when Redis fails."""
+        """``upsert`` for several (tenant, hint, now, requests it stands for, its template):
+        up to ``UPSERTS_PER_CALL`` sessions a script call (on a cluster one each), in one
+        pipeline. A rejection is returned in its place; StoreDown when Redis fails."""
         scripts = self.scripts
+        if isinstance(scripts, ScriptBatcher):
+            chunks = [
+                calls[i : i + UPSERTS_PER_CALL] for i in range(0, len(calls), UPSERTS_PER_CALL)
+            ]
 
-        def send() -> Awaitable[list[Any]]:
-            if isinstance(scripts, ScriptBatcher):  # only what changes is packed per call
-                return asyncio.gather(
+            def send() -> Awaitable[list[Any]]:
+                return asyncio.gather(*(self._submit_many(scripts, chunk) for chunk in chunks))
+
+            replies = [
+                reply
+                for chunk, answer in zip(chunks, await self._call(send), strict=True)
+                for reply in (answer if len(chunk) > 1 else [answer])
+            ]
+        else:
+            replies = await self._call(
+                lambda: asyncio.gather(
                     *(
-                        scripts.submit("upsert", tpl[0], self._tail(tpl, now, r))
-                        for *_, now, r, tpl in calls
+                        scripts.call("upsert", *self._upsert_call(t, h, now, r))
+                        for t, h, now, r, _ in calls
                     )
                 )
-            return asyncio.gather(
-                *(
-                    scripts.call("upsert", *self._upsert_call(t, h, now, r))
-                    for t, h, now, r, _ in calls
-                )
             )
-
-        replies = await self._call(send)
         out: list[Upserted | StoreRejected] = []
         for (tenant, *_), reply in zip(calls, replies, strict=True):
             try:
@@ -98,11 +105,25 @@ class SessionStore(ProtectedMirror, PinLedger):
                 out.append(exc)
         return out
 
-    def _tail(self, template: Template, now: float, requests: int) -> bytes:
-        """An upsert's packed keys and arguments from its template (as ``_upsert_call``)."""
-        _, head, middle = template
+    def _submit_many(
+        self, scripts: ScriptBatcher, chunk: list[tuple[str, Hint, float, int, Template]]
+    ) -> asyncio.Future[Any]:
+        """One upsert call for the chunk's sessions: every session's keys, then their arguments."""
+        parts = [pack_values((UPSERT_KEYS * len(chunk),))]
+        parts += [keys for *_, (keys, _) in chunk]
+        parts += [self._args(tpl, now, requests) for *_, now, requests, tpl in chunk]
+        return scripts.submit(
+            "upsert", 1 + (UPSERT_KEYS + UPSERT_ARGS) * len(chunk), b"".join(parts)
+        )
+
+    def _args(self, template: Template, now: float, requests: int) -> bytes:
+        """An upsert's packed arguments from its template (as ``_upsert_call``)."""
         stale = repr(now - self.limits.idle_expiry_s)
-        return b"".join((head, pack_values((repr(now),)), middle, pack_values((stale, requests))))
+        return b"".join((pack_values((repr(now),)), template[1], pack_values((stale, requests))))
+
+    def _tail(self, template: Template, now: float, requests: int) -> bytes:
+        """A whole upsert call's numkeys, keys and arguments from its template."""
+        return pack_values((UPSERT_KEYS,)) + template[0] + self._args(template, now, requests)
 
     def _upsert_call(
         self, tenant: str, hint: Hint, now: float, requests: int

@@ -8,7 +8,9 @@ import asyncio
 import time
 from typing import Any
 
+from proxy.hints import Hint
 from proxy.runtime import RUNTIME, Runtime
+from proxy.store import StoreRejected, Upserted
 from tests.helpers.redis_server import RedisServer
 from tests.integration.proxy_fixtures import Stack, proxy_stack
 
@@ -134,3 +136,34 @@ async def test_a_failed_repeat_leaves_its_session_kept_and_not_active(
                 break
         assert session is not None and session.state == "protected"
         assert session.counters["requests"] == 2
+
+
+async def test_upserts_written_behind_share_a_script_call(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Several sessions' upserts in one script call answer as each upsert alone would."""
+    async with proxy_stack(redis_server.url, namespace) as st:
+        store = _rt(st).store
+        assert store is not None
+        now = time.time()
+        await store.upsert("t", Hint("old", parent_session_id="p1", ttl_s=60.0), now)
+        hints = [
+            Hint("old", parent_session_id="p1", ttl_s=60.0),  # exists: refreshed
+            Hint("new", parent_session_id="p2", agent_name="coder"),  # created, its parent too
+            Hint("old", parent_session_id="other"),  # another parent: rejected
+        ]
+        batcher = store.scripts
+        calls = batcher.calls
+        results = await store.upsert_many(
+            [("t", h, now + 1, 3, store.upsert_template("t", h)) for h in hints]
+        )
+        assert batcher.calls - calls == 1  # one script call for the three
+        first, second, third = results
+        assert isinstance(first, Upserted) and not first.created
+        assert isinstance(second, Upserted) and second.created
+        assert isinstance(third, StoreRejected) and third.reason == "parent_mismatch"
+        old = await store.get("t", "old")
+        new = await store.get("t", "new")
+        assert old is not None and old.counters["requests"] == 4 and old.ttl_until == now + 61
+        assert new is not None and new.agent == "coder" and new.parent == "p2"
+        assert await store.get("t", "p2") is not None

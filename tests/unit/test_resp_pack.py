@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from proxy.batching import Arg, _bulk, pack_tail
 from proxy.hints import Hint
 from proxy.settings import Limits
-from proxy.store import SessionStore
+from proxy.store import UPSERT_ARGS, UPSERT_KEYS, SessionStore
 
 KEYS: list[Arg] = ["kvk:s:t:sess1", "kvk:idx:t", "", "kvk:ch:t:sess1"]
 
@@ -54,5 +54,5 @@ def test_upsert_template_packs_the_same_call(hint: Hint) -> None:
     template = store.upsert_template("t", hint)
     for now, requests in ((1733372400.125, 1), (1733372401.5, 7)):
         n, tail = pack_tail(*store._upsert_call("t", hint, now, requests))
-        assert template[0] == n
+        assert n == 1 + UPSERT_KEYS + UPSERT_ARGS
         assert store._tail(template, now, requests) == tail

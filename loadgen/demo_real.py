@@ -42,7 +42,7 @@ from loadgen.workloads.base import Workload
 from proxy.engine_cli import ensure_engine_installed
 
 # the real-engine swarm (loadgen.realstack.SWARM) at half its users and sessions of at most 4
-# dispatches: one play takes about a minute on 2 cores
+# dispatches, to keep the default short (engine start-up dominates)
 REAL_SWARM: dict[str, Any] = {**SWARM, "users": 4, "max_dispatches": 4}
 REAL_ROUNDS = 1
 # room beside the largest call, so two calls fit the pool at once

@@ -88,16 +88,15 @@ class Runtime:
     def register_repeat(self, tenant: str, hint: Hint) -> Registration | None:
         """A repeat of a session Redis accepted a moment ago: accepted without a round trip,
         its upsert written behind (``proxy/known.py``); None when it must register."""
-        if self.known is None or self.completions is None or self.store is None:
+        known, store, completions = self.known, self.store, self.completions
+        if known is None or completions is None or store is None or not store.answering:
             return None
-        if not self.store.answering:
-            return None
-        up = self.known.repeat(tenant, hint, time.time())
+        up = known.repeat(tenant, hint, time.time())
         if up is None:
             return None
-        self.completions.wake()
+        completions.wake()
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
-        notes = "".join(f"; note={n}" for n in hint.notes)
+        notes = "".join(f"; note={n}" for n in hint.notes) if hint.notes else ""
         return Registration("accepted" + notes, self._with_buffered(tenant, hint, up), True)
 
     async def register(self, tenant: str, hint: Hint) -> Registration:

@@ -118,8 +118,10 @@ class SessionStore(ProtectedMirror, PinLedger):
 
     def _args(self, template: Template, now: float, requests: int) -> bytes:
         """An upsert's packed arguments from its template (as ``_upsert_call``)."""
-        stale = repr(now - self.limits.idle_expiry_s)
-        return b"".join((pack_values((repr(now),)), template[1], pack_values((stale, requests))))
+        at, stale, n = repr(now), repr(now - self.limits.idle_expiry_s), str(requests)
+        head = f"${len(at)}\r\n{at}\r\n".encode()  # numbers: ASCII, one byte a character
+        tail = f"${len(stale)}\r\n{stale}\r\n${len(n)}\r\n{n}\r\n".encode()
+        return head + template[1] + tail
 
     def _tail(self, template: Template, now: float, requests: int) -> bytes:
         """A whole upsert call's numkeys, keys and arguments from its template."""

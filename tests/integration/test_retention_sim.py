@@ -749,8 +749,10 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
         overhead = engines["data"][0]["retention"]["overhead"]
         recomputed = await st.metric("kvkeeper_touch_recomputed_tokens_total")
         assert overhead["max_share"] == share and overhead["recomputed_tokens"] == recomputed
-        # within the share of what was served, give or take one touch's misestimate
-        assert recomputed <= share * served + burst + BLOCK, (recomputed, served)
+        # within the share of what was served, give or take one touch's misestimate, plus what
+        # the debt cap forgave (a touch that raced the flood overshot by more than a bucket)
+        forgiven = overhead["forgiven_tokens"]
+        assert recomputed <= share * served + burst + forgiven + BLOCK, (recomputed, served)
         declined = await st.metric("kvkeeper_touches_total", label='outcome="over_budget"')
         if share == 0.01:
             assert kept >= 0.95 * FULL, (kept, overhead, declined, served)

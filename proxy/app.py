@@ -242,6 +242,7 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             redis, settings.limits, namespace=settings.namespace, on_error=store_failed
         )
         store_watch.store = store
+        store.on_touched = known.touched
         pool = EnginePool(build_engines(settings, client), client, metrics)
         rt = Runtime(settings=settings, metrics=metrics, tenants=tenants, pool=pool, store=store)
         rt.completions = CompletionWriter(

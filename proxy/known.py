@@ -10,6 +10,12 @@ completions in the same order as before, within the writer's interval. What Redi
 upserts refreshes what is known (engine affinity, last activity, as Redis has them); a rejection
 (the session was freed and its tenant is full) forgets the session; a Redis failure forgets
 them all, and the next requests register synchronously and answer what Redis says.
+
+What memory misses is what other processes wrote to the session since Redis last answered for
+it (at most ``KNOWN_FOR_S`` ago): the engine another replica served it on (placement reads it
+only for prompts too short to place by their prefix), a touch another process recorded (this
+process's own are applied). A session freed meanwhile is created again by the upsert written
+behind, as its registration would have.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from proxy.store import SessionStore, StoreDown, StoreRejected, Template, Upsert
 
 log = logging.getLogger("kvkeeper.known")
 
-KNOWN_FOR_S = 5.0  # how long after Redis last accepted a session its repeats skip the upsert
+KNOWN_FOR_S = 30.0  # how long after Redis last accepted a session its repeats skip the upsert
 MAX_KNOWN = 100_000  # sessions remembered per process (the oldest go first)
 MAX_PENDING = 50_000  # written-behind upserts kept while Redis is down
 
@@ -113,6 +119,15 @@ class KnownSessions:
         entry = self._known.get((tenant, sid))
         if entry is not None and now >= entry.upserted.last_active:
             entry.upserted = Upserted(False, engine, entry.upserted.parent_engine, now, prompt)
+
+    def touched(self, tenant: str, sid: str, now: float) -> None:
+        """This process recorded a keep-alive touch of the session (its last activity)."""
+        entry = self._known.get((tenant, sid))
+        if entry is not None and now > entry.upserted.last_active:
+            up = entry.upserted
+            entry.upserted = Upserted(
+                False, up.engine, up.parent_engine, now, up.last_prompt_tokens
+            )
 
     def forget_all(self) -> None:
         """Redis failed: every session registers synchronously again (queued upserts stay)."""

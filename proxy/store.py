@@ -362,7 +362,10 @@ class SessionStore(ProtectedMirror, PinLedger):
             recomputed,
             self._member(tenant, sid),
         ]
-        return bool(await self._call(lambda: self.scripts.call("touched", keys, args)))
+        recorded = bool(await self._call(lambda: self.scripts.call("touched", keys, args)))
+        if recorded and self.on_touched is not None:
+            self.on_touched(tenant, sid, now)
+        return recorded
 
     async def protect(
         self,

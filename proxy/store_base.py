@@ -80,6 +80,8 @@ class StoreBase:
 
     def _setup(self) -> None:
         """Where a part of the store sets up its own state (each calls ``super()._setup()``)."""
+        # told of each touch this process records (proxy/known.py keeps last activity)
+        self.on_touched: Callable[[str, str, float], None] | None = None
 
     # --- keys ---------------------------------------------------------------------------------
     def _t(self, tenant: str) -> str:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from proxy.hints import Hint
+from proxy.known import KnownSessions
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import StoreRejected, Upserted
 from tests.helpers.redis_server import RedisServer
@@ -167,3 +168,17 @@ async def test_upserts_written_behind_share_a_script_call(
         assert old is not None and old.counters["requests"] == 4 and old.ttl_until == now + 61
         assert new is not None and new.agent == "coder" and new.parent == "p2"
         assert await store.get("t", "p2") is not None
+
+
+def test_what_a_repeat_reads_follows_this_process_completions_and_touches() -> None:
+    known = KnownSessions()
+    hint = Hint("s", ttl_s=60.0)
+    known.accepted("t", hint, Upserted(True, None, None, 0.0, 0))
+    known.completed("t", "s", "e1", 100.0, 512)
+    first = known.repeat("t", hint, 101.0)
+    assert first == Upserted(False, "e1", None, 100.0, 512)
+    known.touched("t", "s", 150.0)  # a keep-alive touch this process recorded
+    assert known.repeat("t", hint, 151.0) == Upserted(False, "e1", None, 150.0, 512)
+    assert known.repeat("t", Hint("s", ttl_s=30.0), 152.0) is None  # another TTL registers
+    known.forget_all()
+    assert known.repeat("t", hint, 153.0) is None

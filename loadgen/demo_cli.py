@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -345,7 +346,12 @@ async def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds the runs, so the engines and stacks started are stopped
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.real:
         from loadgen.demo_real import demo_real
 

@@ -83,7 +83,7 @@ async def demo_real(args: argparse.Namespace) -> int:
         flush=True,
     )
     t0 = time.monotonic()
-    print("starting the LMCache MP stack and two vLLM engines (a minute or two)", flush=True)
+    print("starting the LMCache MP stack and two vLLM engines (one to several minutes)", flush=True)
     rounds: list[list[RunResult]] = []
     did: dict[str, float] = {}
     with lmcache_stack(out / "lmcache", args.l1_gb) as stack:

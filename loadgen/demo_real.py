@@ -25,7 +25,7 @@ from typing import Any
 
 from loadgen.bench_compare import run_target
 from loadgen.compare_ceilings import largest_request_blocks, planned_ceilings
-from loadgen.demo_cli import POOL_SHARE, TARGETS, did_from, finish, order, progress
+from loadgen.demo_report import POOL_SHARE, TARGETS, did_from, finish, order, progress
 from loadgen.realstack import (
     SETUP_COMMANDS,
     SWARM,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadgen.demo_cli import TARGETS
+from loadgen.demo_report import TARGETS
 
 
 def test_the_demo_runs_the_three_stacks_and_writes_its_report(tmp_path: Path) -> None:

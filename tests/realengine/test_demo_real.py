@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.demo_cli import TARGETS
+from loadgen.demo_report import TARGETS
 from loadgen.realstack import missing
 
 pytestmark = [pytest.mark.realengine, pytest.mark.lmcache]

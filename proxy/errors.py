@@ -22,8 +22,24 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from pydantic import BaseModel
 
 log = logging.getLogger("kvkeeper.errors")
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong (OpenAI's error object)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class Error(BaseModel):
+    """kvkeeper's error answer on its own and the OpenAI routes: ``{"error": {...}}``."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -40,14 +56,8 @@ class ApiError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return Error(error=detail).model_dump(mode="json")
 
 
 class BadRequest(ApiError):

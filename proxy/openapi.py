@@ -25,6 +25,7 @@ from proxy.console_models import (
     OperationOutcome,
     SessionDetail,
 )
+from proxy.errors import Error
 from proxy.hint_schema import AgentHintParams
 
 # models the admin and console handlers return: their schemas go to components/schemas
@@ -40,6 +41,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     SessionDetail,
     Freed,
     OperationOutcome,
+    Error,
 )
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -354,20 +356,6 @@ def document() -> dict[str, Any]:
                 "AgentHint": AgentHintParams.model_json_schema(
                     ref_template="#/components/schemas/AgentHint/$defs/{model}"
                 ),
-                "Error": {
-                    "type": "object",
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "properties": {
-                                "message": {"type": "string"},
-                                "type": {"type": "string"},
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            },
-                        }
-                    },
-                },
             },
         },
     }

@@ -19,6 +19,7 @@ from proxy.admin_models import (
     SessionView,
 )
 from proxy.console_models import Freed, OperationOutcome
+from proxy.errors import Error
 from tests.helpers.redis_server import RedisServer
 from tests.integration.console_fixtures import (
     ADMIN,
@@ -40,6 +41,7 @@ MODELS: dict[str, type[BaseModel]] = {
         Health,
         Readiness,
         ManagementResult,
+        Error,
     )
 }
 SPARSE = (OperationOutcome, Readiness, ManagementResult)  # leave out what does not apply
@@ -129,6 +131,14 @@ async def test_admin_answers_are_their_models_and_match_the_document(
             st, doc, "DELETE", "/admin/sessions/{session_id}", "/admin/sessions/job-2", tenant="a"
         )
         assert isinstance(freed, Freed) and freed.freed == ["job-2"]
+
+        # errors too: a malformed cursor (400) and an unknown session (404)
+        status, body = await st.admin("GET", "/admin/sessions", cursor="not-a-cursor")
+        bad = _conforms(doc, "/admin/sessions", "GET", status, body)
+        assert status == 400 and isinstance(bad, Error) and bad.error.param == "cursor"
+        status, body = await st.admin("GET", "/admin/sessions/nobody", tenant="a")
+        gone = _conforms(doc, "/admin/sessions/{session_id}", "GET", status, body)
+        assert status == 404 and isinstance(gone, Error) and gone.error.message
 
 
 async def test_without_retention_the_answers_say_so(

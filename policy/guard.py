@@ -12,7 +12,11 @@ running account per engine and stops retention where it does not:
 * **bought**: the prompt tokens of resumes that hit because of retention: per resumed session
   it acted on since its previous request, the cached tokens up to what retention kept for it
   (the prefix a touch refreshed, the chunks a pin held), less what the same resume would have
-  found without it (``baseline``: a caller's estimate, 0 by default);
+  found without it. Plain LRU keeps a prefix for the engine's LRU horizon (``policy.horizon``),
+  so a resume whose pause was shorter than the horizon would have hit anyway: retention bought
+  it nothing (``within_horizon``, shown but not credited). Only a resume after a longer pause
+  is credited what retention kept (less ``baseline``, a caller's estimate, 0 by default). An
+  unknown horizon (no eviction seen) means LRU keeps everything: nothing is credited;
 * **balance** = bought - cost, both sums decaying with half-life ``half_life_s``.
 
 While the cost seen is below ``min_evidence_tokens`` the guard allows everything (no evidence
@@ -58,6 +62,12 @@ class GuardConfig:
             raise ValueError("need 0 < cooldown_s <= max_cooldown_s")
 
 
+def lru_would_have_kept(pause_s: float, horizon_s: float) -> bool:
+    """Whether plain LRU would still hold a prefix last used ``pause_s`` ago on an engine whose
+    unused blocks survive ``horizon_s`` (``inf``: unknown, nothing evicted yet)."""
+    return pause_s < horizon_s
+
+
 ACTIVE = "active"
 BACKED_OFF = "backed_off"
 
@@ -72,9 +82,13 @@ class RetentionGuard:
         "bought",
         "config",
         "cost",
+        "resumes_credited",
+        "resumes_within_horizon",
         "total_bought",
         "total_cost",
+        "total_within_horizon",
         "until",
+        "within_horizon",
     )
 
     def __init__(self, config: GuardConfig | None = None) -> None:
@@ -83,6 +97,10 @@ class RetentionGuard:
         self.bought = 0.0  # decayed
         self.total_cost = 0.0  # undecayed, since start: for metrics
         self.total_bought = 0.0
+        self.within_horizon = 0.0  # decayed: hits retention kept that LRU would have kept too
+        self.total_within_horizon = 0.0
+        self.resumes_credited = 0
+        self.resumes_within_horizon = 0
         self.backoffs = 0
         self.until = -math.inf  # backed off until then
         self._cooldown = self.config.cooldown_s
@@ -94,6 +112,7 @@ class RetentionGuard:
             f = 0.5 ** ((now - self._at) / self.config.half_life_s)
             self.cost *= f
             self.bought *= f
+            self.within_horizon *= f
         if self._at is None or now > self._at:
             self._at = now
 
@@ -123,6 +142,23 @@ class RetentionGuard:
         self.total_bought += b
         return b
 
+    def resume(
+        self, hit_tokens: float, now: float, pause_s: float, horizon_s: float, baseline: float = 0.0
+    ) -> float:
+        """A resume after a pause of ``pause_s`` hit ``hit_tokens`` that retention kept for it,
+        on an engine whose LRU horizon was ``horizon_s``: credited only beyond the horizon (within
+        it LRU would have kept them); the tokens credited."""
+        if hit_tokens <= 0:
+            return 0.0
+        if lru_would_have_kept(pause_s, horizon_s):
+            self._decay(now)
+            self.within_horizon += hit_tokens
+            self.total_within_horizon += hit_tokens
+            self.resumes_within_horizon += 1
+            return 0.0
+        self.resumes_credited += 1
+        return self.buy(hit_tokens, now, baseline)
+
     def balance(self, now: float) -> float:
         self._decay(now)
         return self.bought - self.cost
@@ -143,7 +179,7 @@ class RetentionGuard:
             return False
         if self.until > -math.inf:  # a cooldown just ended: measure afresh
             self.until = -math.inf
-            self.cost = self.bought = 0.0
+            self.cost = self.bought = self.within_horizon = 0.0
             self._at = now
         self._decay(now)
         if self.cost < self.config.min_evidence_tokens:
@@ -166,6 +202,10 @@ class RetentionGuard:
             "bought_tokens": round(self.bought, 1),
             "total_cost_tokens": round(self.total_cost, 1),
             "total_bought_tokens": round(self.total_bought, 1),
+            "within_horizon_tokens": round(self.within_horizon, 1),
+            "total_within_horizon_tokens": round(self.total_within_horizon, 1),
+            "resumes_credited": self.resumes_credited,
+            "resumes_within_horizon": self.resumes_within_horizon,
             "backoffs": self.backoffs,
             "backed_off_for_s": round(max(0.0, self.until - now), 1),
             "next_cooldown_s": self._cooldown,

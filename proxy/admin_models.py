@@ -121,6 +121,13 @@ class GuardView(BaseModel):
     bought_tokens: float
     total_cost_tokens: float
     total_bought_tokens: float
+    within_horizon_tokens: float = Field(
+        description="hits retention kept for resumes within the LRU horizon (plain LRU would "
+        "have kept them: not credited), decaying like bought_tokens"
+    )
+    total_within_horizon_tokens: float
+    resumes_credited: int = Field(description="resumes after a pause beyond the LRU horizon")
+    resumes_within_horizon: int
     backoffs: int
     backed_off_for_s: float
     next_cooldown_s: float

@@ -7,7 +7,9 @@
 * ``kept``: retention acted on a session (a touch refreshed its first N tokens, a warm-up
   brought them back, a pin held them in the tier);
 * ``resumed``: the session's next request was served with that many cached tokens: what
-  retention kept of them is credited (once per act), a tier load charged at its weight;
+  retention kept of them is credited (once per act) when the pause since its previous request
+  outlasted the engine's LRU horizon (shorter, LRU would have kept them: not credited), a tier
+  load charged at its weight;
 * ``allows``: whether retention may spend on the engine now (touches, warm-ups, new pins).
 
 Metrics: ``kvkeeper_retention_guard_*`` per engine; ``view`` is the ``guard`` entry of
@@ -16,6 +18,7 @@ Metrics: ``kvkeeper_retention_guard_*`` per engine; ``view`` is the ``guard`` en
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,9 @@ from policy.guard import BACKED_OFF, GuardConfig, RetentionGuard
 from proxy.keys import SessionKey as Key
 from proxy.metrics import Metrics
 from proxy.settings import GuardSettings
+
+# sessions whose last request time the guard remembers (the oldest forgotten first)
+MAX_SEEN = 65536
 
 
 @dataclass(slots=True)
@@ -55,6 +61,9 @@ class Guards:
         self._guards: dict[str, RetentionGuard] = {}
         self._kept: dict[str, dict[Key, _Kept]] = {}
         self._backoffs: dict[str, int] = {}
+        # when each session's last request ended: a touch refreshes the store's last_active,
+        # but the pause LRU had to survive runs from the client's own last request
+        self._seen: dict[Key, float] = {}
 
     def configure(self, config: GuardConfig) -> None:
         """Start every engine's account afresh under ``config`` (tests, tuning)."""
@@ -95,8 +104,23 @@ class Guards:
         if held is None or tokens >= held.tokens:
             book[key] = _Kept(max(0, tokens), tier)
 
-    def resumed(self, engine: str, key: Key, cached_tokens: int, now: float) -> int:
-        """The session's next request found ``cached_tokens``; the tokens credited."""
+    def resumed(
+        self,
+        engine: str,
+        key: Key,
+        cached_tokens: int,
+        now: float,
+        *,
+        horizon_s: float = math.inf,
+        last_active: float = 0.0,
+    ) -> int:
+        """The session's next request found ``cached_tokens`` on an engine whose LRU horizon
+        is ``horizon_s``; ``last_active``: the store's last activity of the session (used when
+        this process did not see its previous request). The tokens credited."""
+        since = self._seen.pop(key, None)
+        self._seen[key] = now
+        if len(self._seen) > MAX_SEEN:
+            del self._seen[next(iter(self._seen))]
         book = self._kept.get(engine)
         held = book.pop(key, None) if book is not None else None
         if held is None:
@@ -105,9 +129,14 @@ class Guards:
         hit = min(max(0, cached_tokens), held.tokens)
         if held.tier and hit:
             self.metrics.guard_cost.labels(engine).inc(guard.loaded(hit, now))
-        bought = int(guard.buy(hit * self.workers, now))
+        since = since if since is not None else last_active
+        pause = now - since if since > 0 else math.inf
+        within = guard.resumes_within_horizon
+        bought = int(guard.resume(hit * self.workers, now, pause, horizon_s))
         if bought:
             self.metrics.guard_bought.labels(engine).inc(bought)
+        elif guard.resumes_within_horizon > within:
+            self.metrics.guard_within_horizon.labels(engine).inc(hit * self.workers)
         self._export(engine, now)
         return bought
 
@@ -115,6 +144,7 @@ class Guards:
         """The session ended: whatever was kept for it bought nothing more."""
         for book in self._kept.values():
             book.pop(key, None)
+        self._seen.pop(key, None)
 
     def _export(self, engine: str, now: float) -> None:
         guard = self._guards[engine]

@@ -207,7 +207,15 @@ class Metrics:
         )
         self.guard_bought = Counter(
             "kvkeeper_retention_guard_bought_tokens",
-            "Prompt tokens resumes hit that retention had kept for them",
+            "Prompt tokens resumes hit that retention had kept for them, after a pause longer "
+            "than the engine's LRU horizon (credited to the guard)",
+            ["engine"],
+            registry=r,
+        )
+        self.guard_within_horizon = Counter(
+            "kvkeeper_retention_guard_within_horizon_tokens",
+            "Prompt tokens resumes hit that retention had kept for them, after a pause shorter "
+            "than the LRU horizon: plain LRU would have kept them too (not credited)",
             ["engine"],
             registry=r,
         )

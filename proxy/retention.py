@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -154,12 +155,21 @@ class Retention:
         self, engine: str, usage: Usage | None, before: Upserted, key: SessionKey | None = None
     ) -> None:
         """After a hinted request of session ``key``: credit the guard with what retention had
-        kept for it, and feed the horizon in feedback mode. A resumed session whose
+        kept for it (if its pause outlasted the engine's LRU horizon), and feed the horizon in feedback mode. A resumed session whose
         prompt extends its previous one would hit all of that prompt's full blocks if they
         were still resident; fewer cached tokens after a gap bound the horizon below it."""
-        if self.guards is not None and key is not None and usage is not None:
-            self.guards.resumed(engine, key, usage.cached_tokens, time.time())
         es = self.engines.get(engine)
+        if self.guards is not None and key is not None and usage is not None:
+            now = time.time()
+            horizon = es.signals.horizon(now) if es is not None else math.inf
+            self.guards.resumed(
+                engine,
+                key,
+                usage.cached_tokens,
+                now,
+                horizon_s=horizon,
+                last_active=before.last_active,
+            )
         if es is None or es.signals.has_events or usage is None or not before.last_active:
             return
         es.signals.observe_resume(

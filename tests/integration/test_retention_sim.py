@@ -492,6 +492,33 @@ async def test_the_guard_credits_the_hits_a_warm_up_bought(
         view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
         guard_view = view["data"][0]["retention"]["guard"]
         assert guard_view["state"] == "active" and guard_view["bought_tokens"] >= 0.95 * FULL
+        # the flood evicted the session: its pause outlasted the LRU horizon
+        assert guard_view["resumes_credited"] == 1 and guard_view["within_horizon_tokens"] == 0
+
+
+async def test_the_guard_credits_nothing_for_a_resume_within_the_lru_horizon(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """A warm-up refreshes a session LRU still holds and it resumes at once: it would have hit
+    without retention, so nothing is credited (the hit shows as within the horizon)."""
+    async with sim_stack(redis_server.url, namespace, num_blocks=400) as st:
+        _guard(st, GuardConfig(min_evidence_tokens=1000, queue_weight=0.0))
+        await st.complete(prompt(1), {"session_id": "w"})
+        await _known_blocks(st, "w")
+        _, es = _engine_state(st)
+        assert await wait_for(lambda: _loaded(es)), "engine load never scraped"
+        warm = (await st.manage("w", "prefetch"))["results"][0]
+        assert warm["status"] == "applied", warm
+        resumed = await st.complete(prompt(1) + [7] * 100, {"session_id": "w"})
+        assert cached(resumed) >= 0.95 * FULL
+        assert await st.metric("kvkeeper_retention_guard_bought_tokens_total") == 0
+        within = await st.metric("kvkeeper_retention_guard_within_horizon_tokens_total")
+        assert within >= 0.95 * FULL
+        admin = {"Authorization": "Bearer admin-secret"}
+        view = await (await st.proxy.get("/admin/engines", headers=admin)).json()
+        guard_view = view["data"][0]["retention"]["guard"]
+        assert guard_view["bought_tokens"] == 0 and guard_view["resumes_within_horizon"] == 1
+        assert guard_view["total_within_horizon_tokens"] >= 0.95 * FULL
 
 
 async def test_one_huge_touch_recompute_does_not_silence_retention(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from policy.guard import ACTIVE, BACKED_OFF, GuardConfig, RetentionGuard
+from policy.guard import ACTIVE, BACKED_OFF, GuardConfig, RetentionGuard, lru_would_have_kept
 
 
 def test_without_evidence_it_allows_everything() -> None:
@@ -85,3 +87,42 @@ def test_bad_configs_are_refused() -> None:
         GuardConfig(cooldown_s=100, max_cooldown_s=10)
     with pytest.raises(ValueError, match="queue_weight"):
         GuardConfig(queue_weight=-1)
+
+
+def test_a_resume_within_the_lru_horizon_credits_nothing() -> None:
+    """Plain LRU keeps an unused prefix for the horizon: a session back before it ends would
+    have hit without retention, so what retention kept for it bought nothing."""
+    g = RetentionGuard()
+    assert g.resume(2000, now=0.0, pause_s=20.0, horizon_s=60.0) == 0
+    assert g.resume(2000, now=1.0, pause_s=500.0, horizon_s=math.inf) == 0  # nothing evicted yet
+    assert g.bought == 0 and g.total_bought == 0 and g.balance(1.0) == 0
+    view = g.view(1.0)
+    assert view["resumes_within_horizon"] == 2 and view["resumes_credited"] == 0
+    assert view["total_within_horizon_tokens"] == 4000 and view["bought_tokens"] == 0
+
+
+def test_a_resume_beyond_the_lru_horizon_credits_the_kept_tokens() -> None:
+    g = RetentionGuard()
+    assert g.resume(2000, now=0.0, pause_s=90.0, horizon_s=60.0) == 2000
+    assert g.resume(2000, now=0.0, pause_s=90.0, horizon_s=60.0, baseline=500) == 1500
+    assert g.resume(0, now=0.0, pause_s=90.0, horizon_s=60.0) == 0  # nothing hit
+    assert g.balance(0.0) == pytest.approx(3500)
+    view = g.view(0.0)
+    assert view["resumes_credited"] == 2 and view["resumes_within_horizon"] == 0
+    assert view["within_horizon_tokens"] == 0 and view["total_bought_tokens"] == 3500
+
+
+def test_retention_that_only_keeps_what_lru_kept_anyway_is_backed_off() -> None:
+    """Touches cost recompute while every resume comes back within the horizon: the hits do
+    not count, the balance is the cost alone and the guard backs off."""
+    g = RetentionGuard(GuardConfig(min_evidence_tokens=1000, cooldown_s=30))
+    for t in range(10):
+        g.spend(200, waiting=1, now=float(t))
+        g.resume(20_000, now=float(t) + 0.5, pause_s=5.0, horizon_s=120.0)
+    assert g.balance(10.0) < 0 and g.within_horizon > 100_000
+    assert not g.allows(10.0) and g.state(10.0) == BACKED_OFF
+
+
+def test_lru_would_have_kept_a_prefix_only_within_its_horizon() -> None:
+    assert lru_would_have_kept(10.0, 60.0) and lru_would_have_kept(1e9, math.inf)
+    assert not lru_would_have_kept(60.0, 60.0) and not lru_would_have_kept(61.0, 60.0)

@@ -32,9 +32,6 @@ from proxy.settings import Limits
 LONG_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
 ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
 ANTHROPIC_MAX_BREAKPOINTS = 4
-# Cheap pre-check: a body without these bytes carries no body hint and is never parsed.
-_BODY_MARKERS = (b"agent_hint", b"prompt_cache_", b"cache_control")
-
 Retention = Literal["default", "extended"]
 
 
@@ -349,7 +346,8 @@ def _prefix_digest(body: dict[str, Any], section: str, index: int) -> str:
 
 
 def might_carry_body_hint(raw: bytes) -> bool:
-    return any(marker in raw for marker in _BODY_MARKERS)
+    """Cheap pre-check: a body without these bytes carries no body hint and is never parsed."""
+    return b"agent_hint" in raw or b"prompt_cache_" in raw or b"cache_control" in raw
 
 
 def parse_request(
@@ -359,12 +357,13 @@ def parse_request(
     draft = _Draft(limits)
     body: dict[str, Any] | None = None
     fast = True
-    if might_carry_body_hint(raw) and (split := split_last_agent_hint(raw)) is not None:
+    marked = might_carry_body_hint(raw)
+    if marked and (split := split_last_agent_hint(raw)) is not None:
         value, stripped = split  # a large body, hint last: only the hint is parsed
         _agent_hint(draft, value)
         _headers(draft, headers)
         return ParsedRequest(hint=draft.finish(), body=stripped, json_body=None)
-    if might_carry_body_hint(raw):
+    if marked:
         try:
             parsed, fast = jsonio.loads_exact(raw)
         except (ValueError, UnicodeDecodeError) as exc:

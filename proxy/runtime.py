@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
@@ -144,18 +143,18 @@ class Runtime:
             if hint.parent_session_id
             else None
         )
-        if own is None and parent is None:
-            return up
         engine, last_active, last_prompt = up.engine, up.last_active, up.last_prompt_tokens
-        if own is not None and own[1] >= up.last_active:
+        if own is not None and own[1] >= last_active:
             engine, last_active, last_prompt = own
-        return dataclasses.replace(
-            up,
-            engine=engine,
-            parent_engine=parent[0] if parent is not None else up.parent_engine,
-            last_active=last_active,
-            last_prompt_tokens=last_prompt,
-        )
+        parent_engine = parent[0] if parent is not None else up.parent_engine
+        if (engine, last_active, last_prompt, parent_engine) == (
+            up.engine,
+            up.last_active,
+            up.last_prompt_tokens,
+            up.parent_engine,
+        ):  # a known repeat: its own completion is already applied (KnownSessions.completed)
+            return up
+        return Upserted(up.created, engine, parent_engine, last_active, last_prompt)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -60,7 +60,7 @@ class SessionStore(ProtectedMirror, PinLedger):
         """Create or refresh the hint's session (one round trip). Raises StoreRejected/StoreDown."""
         keys, args = self._upsert_call(tenant, hint, now, 1)
         reply = await self._call(lambda: self.scripts.call("upsert", keys, args))
-        return await self._upserted(tenant, reply)
+        return await self._upserted(tenant, reply) if self.cluster else _decoded(reply)
 
     def upsert_template(self, tenant: str, hint: Hint) -> Template:
         """The packed parts of the hint's upsert that its repeats share: (its keys, the
@@ -99,8 +99,8 @@ class SessionStore(ProtectedMirror, PinLedger):
             )
         out: list[Upserted | StoreRejected] = []
         for (tenant, *_), reply in zip(calls, replies, strict=True):
-            try:
-                out.append(await self._upserted(tenant, reply))
+            try:  # one coroutine per reply only on a cluster (its tenant set)
+                out.append(await self._upserted(tenant, reply) if self.cluster else _decoded(reply))
             except StoreRejected as exc:
                 out.append(exc)
         return out
@@ -161,19 +161,11 @@ class SessionStore(ProtectedMirror, PinLedger):
         return keys, args
 
     async def _upserted(self, tenant: str, reply: Any) -> Upserted:
-        if reply[0] != b"ok":
-            raise StoreRejected(as_text(reply[0]))
-        _, created, engine, parent_engine, last_active, last_prompt = reply
-        if self.cluster and (created or tenant not in self._known_tenants):
+        up = _decoded(reply)  # raises StoreRejected first
+        if self.cluster and (up.created or tenant not in self._known_tenants):
             await self._call(lambda: self.redis.sadd(self.tenants_key, tenant))
             self._known_tenants.add(tenant)
-        return Upserted(
-            bool(created),
-            as_text(engine) or None,
-            as_text(parent_engine) or None,
-            float(as_text(last_active)),
-            int(as_text(last_prompt)),
-        )
+        return up
 
     async def unregister(self, tenant: str, hint: Hint, now: float) -> bool:
         """Undo the session ``upsert`` created for a request that then failed upstream; False
@@ -396,3 +388,17 @@ class SessionStore(ProtectedMirror, PinLedger):
     async def get_blocks(self, tenant: str, sid: str) -> bytes | None:
         value = await self._call(lambda: self.redis.get(self.key("blk", tenant, sid)))
         return value if isinstance(value, bytes) else None
+
+
+def _decoded(reply: Any) -> Upserted:
+    """An upsert's ``ok`` reply; StoreRejected for its rejection."""
+    if reply[0] != b"ok":
+        raise StoreRejected(as_text(reply[0]))
+    _, created, engine, parent_engine, last_active, last_prompt = reply
+    return Upserted(
+        bool(created),
+        as_text(engine) or None,
+        as_text(parent_engine) or None,
+        float(as_text(last_active)),
+        int(as_text(last_prompt)),
+    )

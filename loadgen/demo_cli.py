@@ -94,6 +94,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--speed", type=float, default=4.0, help="simulator speed-up over the h100-llama8b profile"
     )
     p.add_argument("--l1-gb", default="1", help="--real: LMCache L1 size (GB)")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="--real: start the engines with vLLM's --enforce-eager (no torch.compile: a quicker "
+        "start, slower decoding; for tests, not for the figures)",
+    )
     p.set_defaults(func=needs_bench("kvkeeper demo", run))
 
 

@@ -89,7 +89,7 @@ async def demo_real(args: argparse.Namespace) -> int:
     with lmcache_stack(out / "lmcache", args.l1_gb) as stack:
         _, model_dir = ensure_engine_installed()
         tier = stack.tier(model_dir)
-        with vllm_engines(blocks, [None, stack.connector()]) as (plain, lmc):
+        with vllm_engines(blocks, [None, stack.connector()], args.eager) as (plain, lmc):
             print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)
             plays: list[tuple[str, Engine, dict[str, Any] | None]] = [
                 ("engine", plain, None),

@@ -136,15 +136,18 @@ def lmcache_stack(folder: Path, l1_gb: str) -> Iterator[Stack]:
 
 @contextmanager
 def vllm_engines(
-    num_blocks: int, connectors: list[dict[str, Any] | None]
+    num_blocks: int, connectors: list[dict[str, Any] | None], eager: bool = False
 ) -> Iterator[list[Engine]]:
     """One vLLM per entry of ``connectors`` (None: no KV connector), started side by side and
-    stopped at the end."""
+    stopped at the end. ``eager``: ``--enforce-eager`` (no torch.compile at start-up, which vLLM
+    redoes on every start; decoding runs uncompiled)."""
     python, model_dir = ensure_engine_installed()
     with ExitStack() as stack:
         started = []
         for connector in connectors:
-            extra = () if connector is None else ("--kv-transfer-config", json.dumps(connector))
+            extra: tuple[str, ...] = ("--enforce-eager",) if eager else ()
+            if connector is not None:
+                extra += ("--kv-transfer-config", json.dumps(connector))
             spec = EngineSpec(
                 port=free_port(),
                 num_blocks=num_blocks,

@@ -16,7 +16,6 @@ process keeps placing from what it knows. The queued prefill of a process not he
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import struct
@@ -25,10 +24,10 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from policy.budget import EngineLoad
 from policy.prefix_index import PrefixIndex
+from proxy.pubsub import Outbox, cancel, follow
 
 log = logging.getLogger("kvkeeper.prefix_share")
 
@@ -98,37 +97,6 @@ def decode(payload: bytes) -> tuple[bytes, list[Record]]:
     return origin, out
 
 
-async def follow(
-    subscriber: Redis,
-    channel: str,
-    apply: Callable[[bytes], None],
-    subscribed: asyncio.Event,
-    on_subscribed: Callable[[], None] | None = None,
-) -> None:
-    """Apply every message of ``channel`` until cancelled, subscribing again after Redis errors
-    (``subscribed`` is set while subscribed; ``on_subscribed`` is called on each subscribe)."""
-    backoff = 0.1
-    while True:
-        try:
-            async with subscriber.pubsub() as pubsub:
-                await pubsub.subscribe(channel)
-                subscribed.set()
-                if on_subscribed is not None:
-                    on_subscribed()
-                backoff = 0.1
-                while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if msg is not None and isinstance(msg.get("data"), bytes):
-                        apply(msg["data"])
-        except asyncio.CancelledError:
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:  # Redis away: retry, keep placing
-            subscribed.clear()
-            log.debug("%s: %r; subscribing again in %.1f s", channel, exc, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(5.0, backoff * 2)
-
-
 class PrefixShare:
     """Publish this process's placements, apply everyone else's to ``index``."""
 
@@ -149,8 +117,9 @@ class PrefixShare:
         self.applied = 0  # placements learned from other processes
         # prefill the other processes queued, per process: (last heard, per engine tokens)
         self._queued: dict[bytes, tuple[float, dict[str, float]]] = {}
-        self._pending: list[Record] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._out: Outbox[Record] = Outbox(
+            redis, self.channel, lambda records: (encode(self.origin, records),), FLUSH_S
+        )
         self._listening: asyncio.Task[None] | None = None
         self.subscribed = asyncio.Event()
         # where another process's reading of an engine's load goes (set by the app)
@@ -180,26 +149,14 @@ class PrefixShare:
         )
 
     def _publish(self, record: Record) -> None:
-        self._pending.append(record)
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.create_task(self._flush())
-
-    async def _flush(self) -> None:
-        while self._pending:  # what arrives while a message is on its way goes in the next one
-            await asyncio.sleep(FLUSH_S)
-            pending, self._pending = self._pending, []
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self.redis.publish(self.channel, encode(self.origin, pending))
+        self._out.add((record,))
 
     def start(self) -> None:
         self._listening = asyncio.create_task(self._listen(), name="prefix share")
 
     async def stop(self) -> None:
-        for task in (self._listening, self._flushing):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel(self._listening)
+        await self._out.stop()
 
     async def _listen(self) -> None:
         await follow(self.subscriber, self.channel, self.apply, self.subscribed)

@@ -16,7 +16,6 @@ with Redis down the others keep the residency they had.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
 import time
@@ -24,10 +23,9 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from adapters.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
-from proxy.prefix_share import follow
+from proxy.pubsub import Outbox, cancel, follow
 from proxy.signals import EngineSignals
 
 log = logging.getLogger("kvkeeper.residency_share")
@@ -132,8 +130,12 @@ class ResidencyShare:
         self.signals = signals
         self.origin = uuid.uuid4().bytes[:ORIGIN_BYTES]
         self.subscribed = asyncio.Event()
-        self._pending: list[Record] = []
-        self._flushing: asyncio.Task[None] | None = None
+        self._out: Outbox[Record] = Outbox(
+            redis,
+            self.channel,
+            lambda records: (encode(self.origin, p) for p in split(records)),
+            FLUSH_S,
+        )
         self._listening: asyncio.Task[None] | None = None
         self._joining_until = 0.0  # snapshots are applied until then
         self.snapshots = 0  # snapshots this process applied
@@ -151,17 +153,7 @@ class ResidencyShare:
         self.publish([(_MATCH, engine, "", ())])
 
     def publish(self, records: list[Record]) -> None:
-        self._pending += records
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.create_task(self._flush())
-
-    async def _flush(self) -> None:
-        while self._pending:  # what arrives while a message is on its way goes in the next one
-            await asyncio.sleep(FLUSH_S)
-            pending, self._pending = self._pending, []
-            for part in split(pending):
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await self.redis.publish(self.channel, encode(self.origin, part))
+        self._out.add(records)
 
     def _hello(self) -> None:
         """Subscribed (again): what was relayed before, or meanwhile, was missed; the holders
@@ -187,11 +179,8 @@ class ResidencyShare:
         )
 
     async def stop(self) -> None:
-        for task in (self._listening, self._flushing):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel(self._listening)
+        await self._out.stop()
 
     def apply(self, payload: bytes) -> None:
         """Another process's relayed events (this process's own come back and are skipped)."""

@@ -129,6 +129,12 @@ class EngineAdapter(Protocol):
         """The ids the engine's KV events give the full blocks of ``token_ids``."""
         ...
 
+    async def hash_blocks_async(
+        self, token_ids: Sequence[int], *, cache_salt: Any = None
+    ) -> list[int]:
+        """``hash_blocks`` yielding to the event loop between slices (long contexts)."""
+        ...
+
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         """Token ids the engine will hash for this request body on this route."""
         ...

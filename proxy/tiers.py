@@ -97,6 +97,7 @@ async def context_tokens(
     blob = await store.get_context(tenant, sid)
     if blob is None:
         return None
+    await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
     ctx = decode_context(blob)
     if not es.adapter.tokenizable(ctx.route):
         return None  # /v1/messages, /v1/responses: no tokenizer route to key them

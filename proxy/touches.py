@@ -146,6 +146,7 @@ class TouchRunner:
         blob = await self.store.get_context(*key)
         if blob is None:
             return None
+        await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
         ctx = decode_context(blob)
         signals, adapter = es.signals, es.adapter
         limits = [n for n in (ctx.block_offset, limit_blocks) if n is not None]
@@ -155,7 +156,7 @@ class TouchRunner:
             salt = ctx.body.get("cache_salt")
             tokens = await adapter.tokenize(ctx.route, ctx.body)
             if exact:
-                ids = adapter.hash_blocks(tokens, cache_salt=salt)
+                ids = await adapter.hash_blocks_async(tokens, cache_salt=salt)
                 resident = signals.resident_prefix(ids)
                 if not warmup:  # stop short of what LRU takes before the touch is served
                     rate = signals.tap.stores.rate(time.time())

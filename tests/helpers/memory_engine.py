@@ -66,6 +66,11 @@ class MemoryEngine:
             out.append(parent)
         return out
 
+    async def hash_blocks_async(
+        self, token_ids: Sequence[int], *, cache_salt: Any = None
+    ) -> list[int]:
+        return self.hash_blocks(token_ids, cache_salt=cache_salt)
+
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list):

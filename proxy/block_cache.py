@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 from adapters.base import AdapterError, EngineRejected
 from policy.prefix_index import common_prefix
-from proxy.context import RecordedContext, decode_context
+from proxy.context_cache import ContextCache, ContextView
 from proxy.engine_state import EngineState
 from proxy.keys import SessionKey
 from proxy.store import Session, SessionStore, StoreDown
@@ -53,6 +53,8 @@ class BlockCache:
         self._learn_retry: dict[SessionKey, float] = {}  # when to ask again (monotonic)
         self._pruned_at = time.time()
         self._tokenize = asyncio.Semaphore(8)
+        # decoded contexts, token ids, block ids: shared with touches and tier pins
+        self.contexts = ContextCache()
 
     async def blocks_of(
         self, key: SessionKey, session: Session | None = None, *, active_s: float = 0.0
@@ -119,6 +121,7 @@ class BlockCache:
     def forget(self, key: SessionKey) -> None:
         self._blocks.pop(key, None)
         self._learn_retry.pop(key, None)
+        self.contexts.forget(key)
 
     async def prune(self, now: float) -> list[SessionKey]:
         """Drop the sessions the store no longer has, at most every ``PRUNE_EVERY_S``; which."""
@@ -140,8 +143,8 @@ class BlockCache:
         blob = await self.store.get_context(session.tenant, session.session_id)
         if es is None or blob is None:
             return None
-        await asyncio.sleep(0)  # the read done: decoding the context after the loop's other work
-        blocks = await self._block_ids(es, decode_context(blob))
+        key = SessionKey(session.tenant, session.session_id)
+        blocks = await self._block_ids(es, key, await self.contexts.view(key, blob))
         if blocks is None:
             return None
         es.signals.note_used(blocks, session.last_used or time.time())
@@ -150,12 +153,15 @@ class BlockCache:
             await self.store.set_blocks(session.tenant, session.session_id, payload)
         return blocks
 
-    async def _block_ids(self, es: EngineState, ctx: RecordedContext) -> tuple[int, ...] | None:
+    async def _block_ids(
+        self, es: EngineState, key: SessionKey, view: ContextView
+    ) -> tuple[int, ...] | None:
+        ctx = view.ctx
         if not es.adapter.tokenizable(ctx.route) or es.no_tokenize:
             return None
         try:
             async with self._tokenize:
-                tokens = await es.adapter.tokenize(ctx.route, ctx.body)
+                await self.contexts.tokens(key, view, es)
         except EngineRejected as exc:
             if exc.status in (404, 405):  # no tokenizer route on this engine: stop asking
                 es.no_tokenize = True
@@ -164,7 +170,6 @@ class BlockCache:
             raise LearnFailed(str(exc)) from exc
         except (AdapterError, KeyError, ValueError, TypeError) as exc:
             raise LearnFailed(str(exc)) from exc
-        await asyncio.sleep(0)  # decoded and tokenized: the hashes after the loop's other work
-        ids = await es.adapter.hash_blocks_async(tokens, cache_salt=ctx.body.get("cache_salt"))
+        ids = await self.contexts.block_ids(key, view, es)
         offset = ctx.block_offset
         return tuple(ids[:offset] if offset is not None else ids)

@@ -111,6 +111,7 @@ class Retention:
         self.guards = guards
         self.touches.guards = guards
         self.tiers.guards = guards
+        self.tiers.contexts = self.blocks.contexts  # one decode/tokenize per context version
         self.holder = uuid.uuid4().hex[:12]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()

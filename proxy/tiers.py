@@ -41,6 +41,7 @@ from adapters.base import AdapterError
 from adapters.lmcache import LMCacheAdapter
 from policy import PinCandidate, plan_pins
 from proxy.context import decode_context
+from proxy.context_cache import ContextCache
 from proxy.engine_state import EngineState
 from proxy.guards import Guards
 from proxy.keys import SessionKey
@@ -88,20 +89,32 @@ def decode_pin(raw: bytes) -> _Pin | None:
 
 
 async def context_tokens(
-    store: SessionStore, es: EngineState, tenant: str, sid: str
+    store: SessionStore,
+    es: EngineState,
+    tenant: str,
+    sid: str,
+    contexts: ContextCache | None = None,
 ) -> tuple[list[int], str | None] | None:
     """The token ids and cache salt of the session's recorded context (None: none a tier can
-    key)."""
+    key); ``contexts``: decoded and tokenized once per context version."""
     if es.no_tokenize:
         return None
     blob = await store.get_context(tenant, sid)
     if blob is None:
         return None
-    await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
-    ctx = decode_context(blob)
-    if not es.adapter.tokenizable(ctx.route):
-        return None  # /v1/messages, /v1/responses: no tokenizer route to key them
-    tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
+    if contexts is not None:
+        key = SessionKey(tenant, sid)
+        view = await contexts.view(key, blob)
+        ctx = view.ctx
+        if not es.adapter.tokenizable(ctx.route):
+            return None
+        tokens = await contexts.tokens(key, view, es, prefix=True)
+    else:
+        await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
+        ctx = decode_context(blob)
+        if not es.adapter.tokenizable(ctx.route):
+            return None  # /v1/messages, /v1/responses: no tokenizer route to key them
+        tokens = await es.adapter.tokenize(ctx.route, ctx.prefix_body())
     if ctx.block_offset is not None:
         tokens = tokens[: ctx.block_offset * es.signals.block_size]
     salt = ctx.body.get("cache_salt")
@@ -136,6 +149,7 @@ class TierKeeper:
         self.capacity_retry_s = capacity_retry_s
         self._state: dict[str, _TierState] = {}
         self.guards: Guards | None = None  # set by Retention: no new pins while it backs off
+        self.contexts: ContextCache | None = None  # set by Retention: shared with block learning
 
     async def tick(
         self,
@@ -294,7 +308,8 @@ class TierKeeper:
         """The token ids and cache salt of the session's recorded context (None when it has
         none the tier can key, or it could not be read)."""
         try:
-            return await context_tokens(self.store, es, session.tenant, session.session_id)
+            sid = session.session_id
+            return await context_tokens(self.store, es, session.tenant, sid, self.contexts)
         except StoreDown:
             return None
         except _TIER_ERRORS as exc:

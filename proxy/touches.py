@@ -17,7 +17,6 @@ from adapters.base import AdapterError, TouchResult
 from policy import touch_extent
 from policy.overhead import SESSION_TOUCH
 from proxy.block_cache import BlockCache
-from proxy.context import decode_context
 from proxy.engine_state import EngineState
 from proxy.guards import Guards
 from proxy.keys import SessionKey
@@ -146,17 +145,18 @@ class TouchRunner:
         blob = await self.store.get_context(*key)
         if blob is None:
             return None
-        await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
-        ctx = decode_context(blob)
+        contexts = self.blocks.contexts  # decoded, tokenized, hashed once per context version
+        view = await contexts.view(key, blob)
+        ctx = view.ctx
         signals, adapter = es.signals, es.adapter
         limits = [n for n in (ctx.block_offset, limit_blocks) if n is not None]
         offset = min(limits) if limits else None
         exact = resident_only and signals.has_events and not es.no_tokenize
         if (offset is not None or exact) and adapter.tokenizable(ctx.route):
             salt = ctx.body.get("cache_salt")
-            tokens = await adapter.tokenize(ctx.route, ctx.body)
+            tokens = await contexts.tokens(key, view, es)
             if exact:
-                ids = await adapter.hash_blocks_async(tokens, cache_salt=salt)
+                ids = await contexts.block_ids(key, view, es)
                 resident = signals.resident_prefix(ids)
                 if not warmup:  # stop short of what LRU takes before the touch is served
                     rate = signals.tap.stores.rate(time.time())

@@ -70,6 +70,7 @@ class ContextCache:
         self, key: SessionKey, view: ContextView, es: EngineState, *, prefix: bool = False
     ) -> list[int]:
         """Token ids of the view's body (``prefix``: cut at its cache breakpoint) on ``es``."""
+        prefix = prefix and view.ctx.breakpoint is not None  # (none: the whole body's tokens)
         slot = (es.name, prefix)
         found = view.tokens.get(slot)
         if found is not None:

@@ -86,8 +86,13 @@ async def test_engines_and_the_breakpoint_prefix_are_kept_apart() -> None:
     view = await cache.view(key, blob(tokens))
     await cache.block_ids(key, view, a)
     await cache.block_ids(key, view, b)
-    await cache.tokens(key, view, a, prefix=True)  # (no breakpoint: the whole body, own slot)
-    assert (count_a.tokenized, count_b.tokenized, count_a.hashed, count_b.hashed) == (2, 1, 1, 1)
+    await cache.tokens(key, view, a, prefix=True)  # no breakpoint: the whole body's tokens
+    assert (count_a.tokenized, count_b.tokenized, count_a.hashed, count_b.hashed) == (1, 1, 1, 1)
+    cut = SessionKey("t", "cut")  # a breakpoint: the prefix is tokenized on its own
+    raw = encode_context(ROUTE, json.dumps({"prompt": tokens}).encode(), ("prompt", 9))
+    view = await cache.view(cut, raw)
+    assert await cache.tokens(cut, view, a, prefix=True) == tokens[:10]
+    assert await cache.tokens(cut, view, a) == tokens and count_a.tokenized == 3
 
 
 async def test_forget_and_the_bounds_drop_entries() -> None:

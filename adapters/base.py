@@ -15,6 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+@dataclass(frozen=True, slots=True)
+class BlockChain:
+    """A token sequence's full-block ids and the engine's chained value after each block
+    (opaque to callers): a sequence that grew from it hashes only its new blocks."""
+
+    tokens: Sequence[int]
+    cache_salt: Any
+    ids: list[int]
+    links: Sequence[Any]
+    scheme: Any = None  # what the links were hashed with (block size, seed): reused only under it
+
+
 class AdapterError(Exception):
     """Base of all adapter failures."""
 
@@ -133,6 +145,17 @@ class EngineAdapter(Protocol):
         self, token_ids: Sequence[int], *, cache_salt: Any = None
     ) -> list[int]:
         """``hash_blocks`` yielding to the event loop between slices (long contexts)."""
+        ...
+
+    async def hash_chain_async(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: Any = None,
+        previous: BlockChain | None = None,
+    ) -> BlockChain:
+        """``hash_blocks_async`` keeping the chain: the leading full blocks ``previous`` shares
+        with ``token_ids`` (same tokens, same salt) are taken from it, not hashed again."""
         ...
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:

@@ -61,13 +61,24 @@ class BlockHasher:
     ) -> list[int]:
         """``block_ids``, handing the event loop back every ``SLICE_BLOCKS`` blocks: a long
         context is thousands of hashes, and the loop's requests run between the slices."""
-        out: list[int] = []
-        parent = self.none_hash
-        for i in range(len(token_ids) // self.block_size):
+        return [event_id(d) for d in await self.digests_async(token_ids, cache_salt=cache_salt)]
+
+    async def digests_async(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        reuse: Sequence[bytes] = (),
+    ) -> list[bytes]:
+        """``digests`` in slices (see ``block_ids_async``); ``reuse``: the digests of leading
+        blocks known unchanged (same tokens, same salt), taken as they are."""
+        out = list(reuse[: len(token_ids) // self.block_size])
+        parent = out[-1] if out else self.none_hash
+        for i in range(len(out), len(token_ids) // self.block_size):
             if i and i % SLICE_BLOCKS == 0:
                 await asyncio.sleep(0)
             parent = self._digest(parent, token_ids, i, cache_salt)
-            out.append(event_id(parent))
+            out.append(parent)
         return out
 
     def _digest(
@@ -83,3 +94,15 @@ class BlockHasher:
     def block_ids(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> list[int]:
         """Full-block hashes as KV-event integers."""
         return [event_id(d) for d in self.digests(token_ids, cache_salt=cache_salt)]
+
+
+def common_blocks(old: Sequence[int], new: Sequence[int], block_size: int, limit: int) -> int:
+    """How many leading full blocks (at most ``limit``) two token sequences share."""
+    n = min(limit, len(old) // block_size, len(new) // block_size)
+    if list(old[: n * block_size]) == list(new[: n * block_size]):
+        return n  # a context that only grew: one comparison
+    for i in range(n):
+        lo, hi = i * block_size, (i + 1) * block_size
+        if list(old[lo:hi]) != list(new[lo:hi]):
+            return i
+    return n

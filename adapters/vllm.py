@@ -19,6 +19,7 @@ import aiohttp
 from adapters import wire
 from adapters.base import (
     AdapterError,
+    BlockChain,
     CacheConfig,
     EngineMetrics,
     EngineRejected,
@@ -28,7 +29,7 @@ from adapters.base import (
     Unsupported,
     forward_headers,
 )
-from adapters.block_hash import BlockHasher
+from adapters.block_hash import BlockHasher, common_blocks, event_id
 from adapters.kv_events import KVEventSubscriber, endpoint_for_host
 from adapters.prom import engine_metrics_from, parse_text
 
@@ -298,6 +299,20 @@ class VLLMAdapter:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, ConnectionError):
             return False
+
+    async def hash_chain_async(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: Any = None,
+        previous: BlockChain | None = None,
+    ) -> BlockChain:
+        hasher, reuse = self.hasher, []
+        if previous is not None and (previous.scheme, previous.cache_salt) == (hasher, cache_salt):
+            n = common_blocks(previous.tokens, token_ids, hasher.block_size, len(previous.links))
+            reuse = list(previous.links[:n])
+        digests = await hasher.digests_async(token_ids, cache_salt=cache_salt, reuse=reuse)
+        return BlockChain(token_ids, cache_salt, [event_id(d) for d in digests], digests, hasher)
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         """Token ids for ``body`` on ``route``, exactly as the engine will hash them."""

@@ -3,8 +3,9 @@ context cache (issue 28), side by side in one process.
 
 Without: block learning, the tier pin and a touch's exact-prefix path each decode the recorded
 context, tokenize it (a token-id prompt: the vLLM adapter's int checks) and the learning and the
-touch hash its blocks (vLLM sha256_cbor). With: ``ContextCache`` shared by the three. Two
-figures: a context version's first tick (learn + pin + touch) and each later touch of it.
+touch hash its blocks (vLLM sha256_cbor). With: ``ContextCache`` shared by the three. Three
+figures: a context version's first tick (learn + pin + touch) with nothing cached, the same
+when the previous version (``--grow`` tokens shorter) was hashed, and each later touch.
 
     python scripts/bench_context_cache.py --tokens 100000 --rounds 5
 """
@@ -35,6 +36,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--grow", type=int, default=1000, help="tokens a new version adds")
     args = ap.parse_args()
     async with aiohttp.ClientSession() as http:
         adapter = VLLMAdapter("e", "http://127.0.0.1:9", http)
@@ -42,6 +44,7 @@ async def main() -> None:
         tokens = [(i * 7919) % 50_000 for i in range(args.tokens)]
         body = {"model": "m", "prompt": tokens, "cache_salt": "s", "max_tokens": 64}
         blob = encode_context(ROUTE, json.dumps(body).encode())
+        older = encode_context(ROUTE, json.dumps({**body, "prompt": tokens[: -args.grow]}).encode())
         key = SessionKey("t", "long")
 
         async def uncached(hash_it: bool, prefix: bool) -> list[int]:
@@ -73,6 +76,16 @@ async def main() -> None:
             await cached(shared, False, True)
             await cached(shared, True, False)
 
+        async def after_grown_tick() -> None:  # after previous_version (untimed)
+            await cached(shared, True, False)
+            await cached(shared, False, True)
+            await cached(shared, True, False)
+
+        async def previous_version() -> None:
+            shared.forget(key)
+            view = await shared.view(key, older)
+            await shared.block_ids(key, view, es)
+
         async def after_touch() -> None:
             await cached(shared, True, False)
 
@@ -82,18 +95,22 @@ async def main() -> None:
         cases: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("tick, before", before_tick),
             ("tick, after", after_tick),
+            ("grown tick, before", before_tick),
+            ("grown tick, after", after_grown_tick),
             ("later touch, before", before_touch),
             ("later touch, after", after_touch),
         ]
         for _ in range(args.rounds):  # interleaved: load changes hit both alike
             for name, case in cases:
+                if name == "grown tick, after":
+                    await previous_version()
                 started = time.process_time()
                 await case()
                 rows.setdefault(name, []).append((time.process_time() - started) * 1e3)
         print(f"{args.tokens} tokens, {len(ids)} blocks, {args.rounds} rounds (CPU ms)")
         for name, ms in rows.items():
             print(f"  {name:22s} median {statistics.median(ms):7.1f}  min {min(ms):7.1f}")
-        for what in ("tick", "later touch"):
+        for what in ("tick", "grown tick", "later touch"):
             b = statistics.median(rows[f"{what}, before"])
             a = statistics.median(rows[f"{what}, after"])
             print(f"  {what}: after/before {a / b:.3f}")

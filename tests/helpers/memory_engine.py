@@ -16,7 +16,14 @@ from typing import Any
 
 import aiohttp
 
-from adapters.base import CacheConfig, EngineAdapter, EngineMetrics, EventSink, TouchResult
+from adapters.base import (
+    BlockChain,
+    CacheConfig,
+    EngineAdapter,
+    EngineMetrics,
+    EventSink,
+    TouchResult,
+)
 from adapters.kv_events import BlockRemoved, BlockStored, EventBatch
 from adapters.registry import AdapterSpec, register
 
@@ -70,6 +77,16 @@ class MemoryEngine:
         self, token_ids: Sequence[int], *, cache_salt: Any = None
     ) -> list[int]:
         return self.hash_blocks(token_ids, cache_salt=cache_salt)
+
+    async def hash_chain_async(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: Any = None,
+        previous: BlockChain | None = None,
+    ) -> BlockChain:
+        ids = self.hash_blocks(token_ids, cache_salt=cache_salt)  # (its links are its ids)
+        return BlockChain(token_ids, cache_salt, ids, ids)
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")

@@ -4,11 +4,18 @@ block ids always those a fresh computation gives (vLLM's sha256_cbor chain, cach
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
+import aiohttp
+import pytest
+
+from adapters import block_hash
+from adapters.base import BlockChain, CacheConfig
 from adapters.block_hash import BlockHasher
+from adapters.vllm import VLLMAdapter
 from proxy.context import encode_context
 from proxy.context_cache import ContextCache
 from proxy.engine_state import EngineState
@@ -18,25 +25,29 @@ ROUTE = "/v1/completions"
 HASHER = BlockHasher(block_size=16, hash_seed="0")
 
 
-class CountingAdapter:
-    """Token-id prompts as the vLLM adapter tokenizes them, vLLM's block hashing; counts calls."""
+class CountingAdapter(VLLMAdapter):
+    """The vLLM adapter (its block hashing, its chain reuse) with token-id prompts; counts
+    tokenize and hashing calls."""
 
     def __init__(self) -> None:
+        http = cast(aiohttp.ClientSession, None)  # (never asked: nothing here does I/O)
+        super().__init__("e", "http://127.0.0.1:9", http, cache=CacheConfig(block_size=16))
         self.tokenized = 0
         self.hashed = 0
-
-    def tokenizable(self, route: str) -> bool:
-        return True
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         self.tokenized += 1
         return [int(t) for t in body["prompt"]]
 
-    async def hash_blocks_async(
-        self, token_ids: Sequence[int], *, cache_salt: Any = None
-    ) -> list[int]:
+    async def hash_chain_async(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: Any = None,
+        previous: BlockChain | None = None,
+    ) -> BlockChain:
         self.hashed += 1
-        return await HASHER.block_ids_async(token_ids, cache_salt=cache_salt)
+        return await super().hash_chain_async(token_ids, cache_salt=cache_salt, previous=previous)
 
 
 def engine(name: str = "e") -> tuple[EngineState, CountingAdapter]:
@@ -117,3 +128,72 @@ async def test_forget_and_the_bounds_drop_entries() -> None:
         view = await small.view(key, blob(list(range(i, i + 10_000))))
         assert await small.block_ids(key, view, es) == HASHER.block_ids(range(i, i + 10_000))
     assert len(small) <= 1 and small.bytes <= 200_000
+
+
+async def test_a_grown_context_hashes_only_its_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    digests = 0
+    real = block_hash.sha256_cbor
+
+    def counted(obj: Any) -> bytes:
+        nonlocal digests
+        digests += 1
+        return real(obj)
+
+    monkeypatch.setattr(block_hash, "sha256_cbor", counted)
+    cache, (es, _) = ContextCache(), engine()
+    key, tokens = SessionKey("t", "s"), list(range(16 * 50 + 3))
+    view = await cache.view(key, blob(tokens, salt="a"))
+    await cache.block_ids(key, view, es)
+    grown = tokens + list(range(9000, 9000 + 16 * 4))  # 50 -> 54 full blocks
+    view = await cache.view(key, blob(grown, salt="a"))
+    digests = 0
+    assert await cache.block_ids(key, view, es) == HASHER.block_ids(grown, cache_salt="a")
+    assert digests == 4 + 55  # (the reference: 54 blocks + its NONE_HASH)
+    edited = [*grown[:100], 7, *grown[101:]]  # a change in block 6: blocks 0-5 reused
+    view = await cache.view(key, blob(edited, salt="a"))
+    digests = 0
+    assert await cache.block_ids(key, view, es) == HASHER.block_ids(edited, cache_salt="a")
+    assert digests == 54 - 6 + 55
+    view = await cache.view(key, blob(edited, salt="b"))  # another salt: nothing reused
+    digests = 0
+    assert await cache.block_ids(key, view, es) == HASHER.block_ids(edited, cache_salt="b")
+    assert digests == 55 + 55  # (its NONE_HASH too)
+    shorter = edited[: 16 * 20]
+    view = await cache.view(key, blob(shorter, salt="b"))  # a cut context: all 20 reused
+    digests = 0
+    assert await cache.block_ids(key, view, es) == HASHER.block_ids(shorter, cache_salt="b")
+    assert digests == 21
+    cache.forget(key)  # forgotten: the next version hashes from scratch
+    view = await cache.view(key, blob(grown, salt="a"))
+    digests = 0
+    await cache.block_ids(key, view, es)
+    assert digests == 54 + 1  # (+ the NONE_HASH)
+
+
+async def test_another_block_size_reuses_nothing() -> None:
+    cache, (es, adapter) = ContextCache(), engine()
+    key, tokens = SessionKey("t", "s"), list(range(16 * 8))
+    await cache.block_ids(key, await cache.view(key, blob(tokens)), es)
+    adapter.cache = CacheConfig(block_size=32)  # the engine rediscovered: another geometry
+    view = await cache.view(key, blob(tokens + [1] * 32))
+    fresh = BlockHasher(block_size=32).block_ids(tokens + [1] * 32)
+    assert await cache.block_ids(key, view, es) == fresh and len(fresh) == 5
+
+
+async def test_random_versions_always_equal_fresh_hashing() -> None:
+    rng = random.Random(28)
+    cache, (es, _) = ContextCache(), engine()
+    key, tokens, salt = SessionKey("t", "s"), list(range(200)), None
+    for _ in range(60):
+        step = rng.choice(("grow", "grow", "cut", "edit", "salt"))
+        if step == "grow":
+            tokens = tokens + [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
+        elif step == "cut":
+            tokens = tokens[: rng.randrange(1, len(tokens) + 1)]
+        elif step == "edit":
+            i = rng.randrange(len(tokens))
+            tokens = [*tokens[:i], rng.randrange(50_000), *tokens[i + 1 :]]
+        else:
+            salt = rng.choice((None, "a", "b"))
+        view = await cache.view(key, blob(tokens, salt=salt))
+        assert await cache.block_ids(key, view, es) == HASHER.block_ids(tokens, cache_salt=salt)

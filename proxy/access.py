@@ -22,7 +22,6 @@ from proxy.logs import FIELDS
 log = logging.getLogger("kvkeeper.access")
 
 REQUEST_ID = "X-Request-Id"
-_KEY = "kvkeeper.access"
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 _MAX_ID = 128  # a client's request id longer than this is replaced (it is logged and echoed)
 
@@ -41,6 +40,9 @@ class AccessInfo:
     response_id: str | None = None  # a Responses API answer's id (not logged)
 
 
+_KEY = web.RequestKey("kvkeeper.access", AccessInfo)
+
+
 def _request_id(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID, "")
     if given and len(given) <= _MAX_ID and given.isprintable():
@@ -51,7 +53,7 @@ def _request_id(request: web.Request) -> str:
 def access_info(request: web.Request) -> AccessInfo:
     """This request's record (made on first use when the middleware is not installed)."""
     info = request.get(_KEY)
-    if not isinstance(info, AccessInfo):
+    if info is None:
         info = AccessInfo(_request_id(request))
         request[_KEY] = info
     return info

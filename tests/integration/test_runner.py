@@ -67,8 +67,11 @@ class FakeEngine:
         return hit
 
 
+ENGINE = web.AppKey("engine", FakeEngine)
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
-    eng: FakeEngine = request.app["engine"]
+    eng: FakeEngine = request.app[ENGINE]
     body = await request.json()
     hint = body.get("agent_hint") or {}
     if (hint.get("context_management") or {}).get("manage_request"):
@@ -118,14 +121,14 @@ async def _send(resp: web.StreamResponse, chunk: dict[str, Any]) -> None:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app["engine"].metrics_text)
+    return web.Response(text=request.app[ENGINE].metrics_text)
 
 
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
     eng = FakeEngine()
     app = web.Application()
-    app["engine"] = eng
+    app[ENGINE] = eng
     app.router.add_post("/v1/chat/completions", _completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/metrics", _metrics)

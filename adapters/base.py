@@ -141,12 +141,6 @@ class EngineAdapter(Protocol):
         """The ids the engine's KV events give the full blocks of ``token_ids``."""
         ...
 
-    async def hash_blocks_async(
-        self, token_ids: Sequence[int], *, cache_salt: Any = None
-    ) -> list[int]:
-        """``hash_blocks`` yielding to the event loop between slices (long contexts)."""
-        ...
-
     async def hash_chain_async(
         self,
         token_ids: Sequence[int],
@@ -154,8 +148,9 @@ class EngineAdapter(Protocol):
         cache_salt: Any = None,
         previous: BlockChain | None = None,
     ) -> BlockChain:
-        """``hash_blocks_async`` keeping the chain: the leading full blocks ``previous`` shares
-        with ``token_ids`` (same tokens, same salt) are taken from it, not hashed again."""
+        """``hash_blocks`` handing the event loop back between slices, keeping the chain: the
+        leading full blocks ``previous`` shares with ``token_ids`` (same tokens, same salt) are
+        taken from it, not hashed again."""
         ...
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:

@@ -56,13 +56,6 @@ class BlockHasher:
             out.append(parent)
         return out
 
-    async def block_ids_async(
-        self, token_ids: Sequence[int], *, cache_salt: str | None = None
-    ) -> list[int]:
-        """``block_ids``, handing the event loop back every ``SLICE_BLOCKS`` blocks: a long
-        context is thousands of hashes, and the loop's requests run between the slices."""
-        return [event_id(d) for d in await self.digests_async(token_ids, cache_salt=cache_salt)]
-
     async def digests_async(
         self,
         token_ids: Sequence[int],
@@ -70,8 +63,9 @@ class BlockHasher:
         cache_salt: str | None = None,
         reuse: Sequence[bytes] = (),
     ) -> list[bytes]:
-        """``digests`` in slices (see ``block_ids_async``); ``reuse``: the digests of leading
-        blocks known unchanged (same tokens, same salt), taken as they are."""
+        """``digests``, handing the event loop back every ``SLICE_BLOCKS`` blocks (a long
+        context is thousands of hashes; the loop's requests run between the slices).
+        ``reuse``: the digests of leading blocks known unchanged (same tokens, same salt)."""
         out = list(reuse[: len(token_ids) // self.block_size])
         parent = out[-1] if out else self.none_hash
         for i in range(len(out), len(token_ids) // self.block_size):

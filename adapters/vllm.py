@@ -213,11 +213,6 @@ class VLLMAdapter:
     def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: Any = None) -> list[int]:
         return self.hasher.block_ids(token_ids, cache_salt=cache_salt)
 
-    async def hash_blocks_async(
-        self, token_ids: Sequence[int], *, cache_salt: Any = None
-    ) -> list[int]:
-        return await self.hasher.block_ids_async(token_ids, cache_salt=cache_salt)
-
     def tokenizable(self, route: str) -> bool:
         return route in (CHAT_ROUTE, COMPLETION_ROUTE)
 

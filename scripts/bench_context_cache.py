@@ -52,7 +52,8 @@ async def main() -> None:
             toks = await adapter.tokenize(ROUTE, ctx.prefix_body() if prefix else ctx.body)
             if not hash_it:
                 return toks
-            return await adapter.hash_blocks_async(toks, cache_salt=ctx.body.get("cache_salt"))
+            chain = await adapter.hash_chain_async(toks, cache_salt=ctx.body.get("cache_salt"))
+            return chain.ids
 
         async def cached(cache: ContextCache, hash_it: bool, prefix: bool) -> list[int]:
             view = await cache.view(key, blob)

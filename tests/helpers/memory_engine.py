@@ -73,11 +73,6 @@ class MemoryEngine:
             out.append(parent)
         return out
 
-    async def hash_blocks_async(
-        self, token_ids: Sequence[int], *, cache_salt: Any = None
-    ) -> list[int]:
-        return self.hash_blocks(token_ids, cache_salt=cache_salt)
-
     async def hash_chain_async(
         self,
         token_ids: Sequence[int],

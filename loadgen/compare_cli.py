@@ -23,6 +23,7 @@ from loadgen.sim.server import SimConfig
 from loadgen.stack import find_router
 from loadgen.workloads import parse_overrides
 from loadgen.workloads.hints import HintPolicy
+from proxy.children import interrupt_on_sigterm
 
 if TYPE_CHECKING:
     from loadgen.bench_cli import Subparsers
@@ -167,6 +168,7 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
 def _cmd_compare(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     spec = spec_from_args(args)
+    interrupt_on_sigterm()  # a SIGTERM stops the stacks started, as Ctrl-C does
     try:
         doc = asyncio.run(run_compare(workload, spec))
     except ValueError as e:  # a bad target list or --base: refused before anything ran

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from loadgen.stack import start_kvkeeper
 from loadgen.workloads import build_workload
 from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HintPolicy
+from proxy.children import interrupt_on_sigterm
 
 # The swarm benchmark's setting (BENCHMARKS.md, swarm-p50-tier) scaled to 8 users per round:
 # 6 agents with 2-8K-token anchors; pauses x0.25 on a simulator 4x faster keep the timeline's
@@ -187,12 +187,8 @@ async def demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds the runs, so the engines and stacks started are stopped
-
-
 def run(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()  # unwinds the runs, so the engines and stacks started are stopped
     if args.real:
         from loadgen.demo_real import demo_real
 

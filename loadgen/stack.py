@@ -30,6 +30,7 @@ import aiohttp
 import yaml
 
 from loadgen.sim.server import SimConfig, SimEndpoints, run_simulator_process
+from proxy.children import die_with_parent
 from proxy.embedded import redis_server_binary
 
 ROUTER_ENV = "KVKEEPER_VLLM_ROUTER"  # a vllm-router executable that is not on PATH
@@ -76,6 +77,7 @@ async def _process(
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # killed with us, even if we are killed
         )
     try:
         yield proc

@@ -221,13 +221,24 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
     tenants = TenantMap.from_file(settings.tenants_file)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
+        # the private Redis wraps the rest: stopped also when a later start-up step fails (aiohttp
+        # runs no cleanup for a failed start-up)
+        embedded = EmbeddedRedis() if settings.redis_url is None else None
+        try:
+            url = settings.redis_url
+            if embedded is not None:
+                url = await embedded.start()
+                log.info("embedded redis at %s", url)
+            assert url is not None
+            async with serving(app, url, embedded=embedded is not None):
+                yield
+        finally:
+            if embedded is not None:
+                await embedded.stop()
+
+    @contextlib.asynccontextmanager
+    async def serving(app: web.Application, url: str, *, embedded: bool) -> AsyncIterator[None]:
         client = make_client(settings.upstream)
-        embedded: EmbeddedRedis | None = None
-        url = settings.redis_url
-        if url is None:
-            embedded = EmbeddedRedis()
-            url = await embedded.start()
-            log.info("embedded redis at %s", url)
         redis = open_redis(url)
         store_watch = StoreWatch(metrics, "embedded" if embedded else redacted(url))
 
@@ -321,8 +332,6 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             await client.close()
             await store.aclose()
             await redis.aclose()
-            if embedded is not None:
-                await embedded.stop()
 
     app.cleanup_ctx.append(resources)
     add_routes(app)

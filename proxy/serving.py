@@ -7,6 +7,7 @@ import asyncio
 import errno
 import gc
 import logging
+import multiprocessing
 import sys
 from collections.abc import Callable
 from multiprocessing.synchronize import Event as MPEvent
@@ -14,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.children import exit_with_parent
 from proxy.logs import configure_logging
 from proxy.settings import ConfigError, Settings
 
@@ -85,6 +87,9 @@ def serve(
 def worker_main(dump: dict[str, Any], ready: MPEvent) -> None:
     """One worker process: the settings the parent resolved, served on the shared port."""
     settings = Settings(**dump)
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        exit_with_parent(parent.pid)  # a killed supervisor's workers drain and exit (SIGTERM)
     raise SystemExit(serve(settings, reuse_port=True, on_ready=ready.set))
 
 

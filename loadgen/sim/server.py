@@ -37,6 +37,7 @@ from loadgen.sim.exposition import EngineCollector
 from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
 from loadgen.sim.profiles import get_profile
 from loadgen.sim.tokenizer import SimTokenizer
+from proxy.children import die_with_parent
 
 REPLY_TEXT = (
     " This is a simulated answer from the kvkeeper engine simulator, which models a KV cache"
@@ -252,6 +253,7 @@ async def run_simulator_process(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy.cli", "sim", *config_argv(config),
         stdout=asyncio.subprocess.PIPE,
+        preexec_fn=die_with_parent(),
     )  # fmt: skip
     try:
         info = await asyncio.wait_for(_read_ready(proc), startup_timeout)

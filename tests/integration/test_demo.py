@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from loadgen.demo_report import TARGETS
+from tests.helpers.procs import Mark, kill_marked, marked
 
 
 def test_the_demo_runs_the_three_stacks_and_writes_its_report(tmp_path: Path) -> None:
@@ -16,8 +17,17 @@ def test_the_demo_runs_the_three_stacks_and_writes_its_report(tmp_path: Path) ->
     argv = [sys.executable, "-m", "proxy.cli", "demo", "--users", "4", "--time-scale", "0.05"]
     argv += ["--speed", "20", "--num-blocks", "700", "--tier-blocks", "700", "--rounds", "2"]
     argv += ["--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    mark = Mark(tmp_path)
+    env = {**os.environ, **mark.env()}
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=300, check=False, env=env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        # every simulator, kvkeeper and embedded redis-server it started has stopped with it
+        assert marked(mark) == {}
+    finally:
+        kill_marked(mark)
     # two rounds, the second in a rotated order: each stack once per round
     first, second = TARGETS, TARGETS[1:] + TARGETS[:1]
     for k, names in enumerate((first, second)):

@@ -34,6 +34,7 @@ from proxy.store_pins import PinLedger
 Template = tuple[bytes, bytes]
 UPSERT_KEYS, UPSERT_ARGS = 10, 13  # per session (lua/upsert.lua)
 UPSERTS_PER_CALL = 128  # sessions per script call: Redis runs one call at a time
+PACKED_SESSIONS = 100_000  # sessions whose completion keys stay packed (then all are dropped)
 
 __all__ = [
     "BRIEF",
@@ -54,6 +55,11 @@ __all__ = [
 
 class SessionStore(ProtectedMirror, PinLedger):
     """All Redis access for sessions. One instance per app, shared by handlers and workers."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._packed: dict[tuple[str, str], tuple[bytes, bytes]] = {}
+        self._engines_packed: dict[str, bytes] = {}
 
     # --- hot path -----------------------------------------------------------------------------
     async def upsert(self, tenant: str, hint: Hint, now: float) -> Upserted:
@@ -205,6 +211,74 @@ class SessionStore(ProtectedMirror, PinLedger):
     async def _complete(
         self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]], feed: list[str]
     ) -> int:
+        scripts = self.scripts
+        if isinstance(scripts, ScriptBatcher):  # packed from each session's cached parts
+            n, tail = self._complete_tail(records, feed)
+            return int(await self._call(lambda: scripts.submit("complete", n, tail)))
+        keys, args = self._complete_call(records, feed)
+        return int(await self._call(lambda: scripts.call("complete", keys, args)))
+
+    def _complete_tail(
+        self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]], feed: list[str]
+    ) -> tuple[int, bytes]:
+        """``complete``'s numkeys, keys and arguments, as ``pack_tail(*_complete_call(...))``:
+        a session's keys, id and deadline member packed once (``_record_parts``)."""
+        keys = [pack_values((len(feed) + 3 * len(records), *feed))]
+        args = [pack_values((self.limits.idle_expiry_s,))]
+        for tenant, sid, now, engine, last, total, context in records:
+            own_keys, own_tail = self._record_parts(tenant, sid)
+            keys.append(own_keys)
+            at = repr(now)
+            numbers = "".join(
+                [
+                    f"${len(x)}\r\n{x}\r\n"
+                    for x in (
+                        str(last.prompt_tokens),
+                        str(last.cached_tokens),
+                        str(total.prompt_tokens),
+                        str(total.cached_tokens),
+                        str(total.completion_tokens),
+                    )
+                ]
+            )
+            args.append(
+                b"".join(
+                    (
+                        f"${len(at)}\r\n{at}\r\n".encode(),
+                        self._engine_bulk(engine),
+                        numbers.encode(),
+                        b"$%d\r\n%b\r\n" % (len(context), context),
+                        own_tail,
+                    )
+                )
+            )
+        return 1 + len(feed) + 3 * len(records) + 1 + 10 * len(records), b"".join(keys + args)
+
+    def _record_parts(self, tenant: str, sid: str) -> tuple[bytes, bytes]:
+        """A session's completion keys, and its id and deadline member, packed (kept for the
+        next records of the same session, up to ``PACKED_SESSIONS``)."""
+        parts = self._packed.get((tenant, sid))
+        if parts is None:
+            if len(self._packed) >= PACKED_SESSIONS:
+                self._packed.clear()
+            keys = (
+                self.key("s", tenant, sid),
+                self.key("ctx", tenant, sid),
+                self.index_key(tenant),
+            )
+            parts = pack_values(keys), pack_values((sid, self._member(tenant, sid)))
+            self._packed[(tenant, sid)] = parts
+        return parts
+
+    def _engine_bulk(self, engine: str) -> bytes:
+        packed = self._engines_packed.get(engine)
+        if packed is None:
+            packed = self._engines_packed[engine] = pack_values((engine,))
+        return packed
+
+    def _complete_call(
+        self, records: list[tuple[str, str, float, str, Usage, Usage, bytes]], feed: list[str]
+    ) -> tuple[list[str], list[bytes | str | int | float]]:
         keys: list[str] = list(feed)
         args: list[bytes | str | int | float] = [self.limits.idle_expiry_s]
         for tenant, sid, now, engine, last, total, context in records:
@@ -225,7 +299,7 @@ class SessionStore(ProtectedMirror, PinLedger):
                 sid,
                 self._member(tenant, sid),
             ]
-        return int(await self._call(lambda: self.scripts.call("complete", keys, args)))
+        return keys, args
 
     # --- reads ----------------------------------------------------------------------------------
     async def get(self, tenant: str, sid: str) -> Session | None:
@@ -395,10 +469,11 @@ def _decoded(reply: Any) -> Upserted:
     if reply[0] != b"ok":
         raise StoreRejected(as_text(reply[0]))
     _, created, engine, parent_engine, last_active, last_prompt = reply
+    # float() and int() read bytes as they read text
     return Upserted(
         bool(created),
-        as_text(engine) or None,
-        as_text(parent_engine) or None,
-        float(as_text(last_active)),
-        int(as_text(last_prompt)),
+        (engine.decode() if type(engine) is bytes else str(engine)) or None,
+        (parent_engine.decode() if type(parent_engine) is bytes else str(parent_engine)) or None,
+        float(last_active),
+        int(last_prompt),
     )

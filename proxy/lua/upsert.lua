@@ -13,93 +13,105 @@
 -- ARGV[13] requests this call stands for (several repeats of a known session, written behind)
 -- Returns {status, created, engine, parent_engine, last_active, last_prompt_tokens} as they were
 -- before this request; status "ok" or a rejection reason.
-local function upsert(KEYS, ARGV)
-  local now = tonumber(ARGV[1])
-  local parent = ARGV[4]
-  local exists = redis.call('EXISTS', KEYS[1]) == 1
-  local before = exists and redis.call('HMGET', KEYS[1], 'last_used', 'last_touch', 'last_prompt_tokens')
-    or {false, false, false}
+-- A session's keys and arguments are read at offsets (k, a) into KEYS and ARGV.
+local function upsert(k, a)
+  local now = tonumber(ARGV[a + 1])
+  local sid, tenant, parent = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  local own, index, member = KEYS[k + 1], KEYS[k + 2], ARGV[a + 11]
+  local exists = redis.call('EXISTS', own) == 1
+  -- the upsert never writes 'engine': read with the rest, as it was before this request
+  local before = exists and redis.call('HMGET', own, 'last_used', 'last_touch', 'last_prompt_tokens', 'engine')
+    or {false, false, false, false}
   local last_active = math.max(tonumber(before[1] or '0'), tonumber(before[2] or '0'))
-  local parent_exists = parent ~= '' and redis.call('EXISTS', KEYS[4]) == 1
+  local parent_exists = parent ~= '' and redis.call('EXISTS', KEYS[k + 4]) == 1
   local new_sessions = (exists and 0 or 1) + ((parent ~= '' and not parent_exists) and 1 or 0)
   if new_sessions > 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[12])  -- entries whose hashes expired
-    if redis.call('ZCARD', KEYS[2]) + new_sessions > tonumber(ARGV[8]) then
+    redis.call('ZREMRANGEBYSCORE', index, '-inf', ARGV[a + 12])  -- entries whose hashes expired
+    if redis.call('ZCARD', index) + new_sessions > tonumber(ARGV[a + 8]) then
       return {'max_sessions', 0, '', ''}
     end
   end
   if parent ~= '' then
-    local current = exists and redis.call('HGET', KEYS[1], 'parent') or false
+    local current = exists and redis.call('HGET', own, 'parent') or false
     if current and current ~= parent then return {'parent_mismatch', 0, '', ''} end
-    if redis.call('SISMEMBER', KEYS[5], ARGV[2]) == 0
-       and redis.call('SCARD', KEYS[5]) >= tonumber(ARGV[9]) then
+    if redis.call('SISMEMBER', KEYS[k + 5], sid) == 0
+       and redis.call('SCARD', KEYS[k + 5]) >= tonumber(ARGV[a + 9]) then
       return {'max_children', 0, '', ''}
     end
   end
-  local fresh = {'tenant', ARGV[3], 'session_id', ARGV[2], 'created', now, 'state', 'active',
-    'requests', 0, 'prompt_tokens', 0, 'cached_tokens', 0, 'completion_tokens', 0,
-    'touches', 0, 'touch_tokens', 0, 'ttl_until', 0}
-  if not exists then
-    redis.call('HSET', KEYS[1], unpack(fresh))
-    redis.call('SADD', KEYS[6], ARGV[3])
+  local fresh = nil
+  if new_sessions > 0 then
+    fresh = {'tenant', tenant, 'session_id', sid, 'created', now, 'state', 'active',
+      'requests', 0, 'prompt_tokens', 0, 'cached_tokens', 0, 'completion_tokens', 0,
+      'touches', 0, 'touch_tokens', 0, 'ttl_until', 0}
   end
-  local expiry = tonumber(ARGV[10])
+  if not exists then
+    redis.call('HSET', own, unpack(fresh))
+    redis.call('SADD', KEYS[k + 6], tenant)
+  end
+  local expiry = tonumber(ARGV[a + 10])
   local parent_engine = ''
   if parent ~= '' then
+    local pkey, children = KEYS[k + 4], KEYS[k + 5]
     if not parent_exists then
-      redis.call('HSET', KEYS[4], unpack(fresh))
-      redis.call('HSET', KEYS[4], 'session_id', parent, 'state', 'idle', 'last_seen', now)
-      redis.call('ZADD', KEYS[2], now, parent)
+      redis.call('HSET', pkey, unpack(fresh))
+      redis.call('HSET', pkey, 'session_id', parent, 'state', 'idle', 'last_seen', now)
+      redis.call('ZADD', index, now, parent)
     end
-    parent_engine = redis.call('HGET', KEYS[4], 'engine') or ''
-    redis.call('SADD', KEYS[5], ARGV[2])
-    redis.call('HSET', KEYS[1], 'parent', parent)
-    redis.call('EXPIRE', KEYS[4], expiry)
-    redis.call('EXPIRE', KEYS[5], expiry)
+    parent_engine = redis.call('HGET', pkey, 'engine') or ''
+    redis.call('SADD', children, sid)
+    redis.call('HSET', own, 'parent', parent)
+    redis.call('EXPIRE', pkey, expiry)
+    redis.call('EXPIRE', children, expiry)
     -- a parent waiting on its children stays protected while they run: each child request
     -- re-arms the parent's own TTL (never longer than that TTL from now)
-    local parent_ttl = tonumber(redis.call('HGET', KEYS[4], 'ttl') or '0')
-    local parent_until = tonumber(redis.call('HGET', KEYS[4], 'ttl_until') or '0')
+    local parent_ttl = tonumber(redis.call('HGET', pkey, 'ttl') or '0')
+    local parent_until = tonumber(redis.call('HGET', pkey, 'ttl_until') or '0')
     if parent_ttl > 0 and parent_until > 0 and now + parent_ttl > parent_until then
-      redis.call('HSET', KEYS[4], 'ttl_until', now + parent_ttl)
-      redis.call('ZADD', KEYS[3], now + parent_ttl, ARGV[3] .. '\31' .. parent)
-      redis.call('ZADD', KEYS[9], redis.call('INCR', KEYS[10]), ARGV[3] .. '\31' .. parent)
+      redis.call('HSET', pkey, 'ttl_until', now + parent_ttl)
+      redis.call('ZADD', KEYS[k + 3], now + parent_ttl, tenant .. '\31' .. parent)
+      redis.call('ZADD', KEYS[k + 9], redis.call('INCR', KEYS[k + 10]), tenant .. '\31' .. parent)
     end
   end
-  redis.call('HSET', KEYS[1], 'last_seen', now, 'state', 'active', 'retention', ARGV[7])
-  redis.call('HINCRBY', KEYS[1], 'requests', tonumber(ARGV[13] or '1'))
-  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'agent', ARGV[5]) end
-  if ARGV[6] ~= '' then
-    local ttl = tonumber(ARGV[6])
+  -- one HSET for what every request writes (activity, retention, agent, TTL)
+  local fields = {'last_seen', now, 'state', 'active', 'retention', ARGV[a + 7]}
+  if ARGV[a + 5] ~= '' then
+    fields[#fields + 1] = 'agent'
+    fields[#fields + 1] = ARGV[a + 5]
+  end
+  local ttl = ARGV[a + 6] ~= '' and tonumber(ARGV[a + 6]) or nil
+  if ttl ~= nil then  -- 0: stop protecting
+    fields[#fields + 1] = 'ttl'
+    fields[#fields + 1] = ttl > 0 and ttl or 0
+    fields[#fields + 1] = 'ttl_until'
+    fields[#fields + 1] = ttl > 0 and now + ttl or 0
+  end
+  redis.call('HSET', own, unpack(fields))
+  redis.call('HINCRBY', own, 'requests', tonumber(ARGV[a + 13] or '1'))
+  if ttl ~= nil then
     if ttl > 0 then
-      redis.call('HSET', KEYS[1], 'ttl', ttl, 'ttl_until', now + ttl)
-      redis.call('ZADD', KEYS[3], now + ttl, ARGV[11])
+      redis.call('ZADD', KEYS[k + 3], now + ttl, member)
       if now + ttl + 60 > expiry then expiry = math.ceil(ttl + 60 + expiry) end
     else
-      redis.call('HSET', KEYS[1], 'ttl', 0, 'ttl_until', 0)
-      redis.call('ZREM', KEYS[3], ARGV[11])
+      redis.call('ZREM', KEYS[k + 3], member)
     end
   end
-  redis.call('ZADD', KEYS[2], now, ARGV[2])
+  redis.call('ZADD', index, now, sid)
   -- the retention workers follow protected sessions through the change feed (store.protected)
-  if ARGV[6] ~= '' or tonumber(redis.call('HGET', KEYS[1], 'ttl_until') or '0') > 0 then
-    redis.call('ZADD', KEYS[9], redis.call('INCR', KEYS[10]), ARGV[11])
+  if ttl ~= nil or tonumber(redis.call('HGET', own, 'ttl_until') or '0') > 0 then
+    redis.call('ZADD', KEYS[k + 9], redis.call('INCR', KEYS[k + 10]), member)
   end
-  redis.call('EXPIRE', KEYS[1], expiry)
-  redis.call('EXPIRE', KEYS[2], expiry)
-  redis.call('EXPIRE', KEYS[7], expiry)
-  redis.call('EXPIRE', KEYS[8], expiry)
-  local engine = redis.call('HGET', KEYS[1], 'engine') or ''
-  return {'ok', exists and 0 or 1, engine, parent_engine, tostring(last_active), before[3] or '0'}
+  redis.call('EXPIRE', own, expiry)
+  redis.call('EXPIRE', index, expiry)
+  redis.call('EXPIRE', KEYS[k + 7], expiry)
+  redis.call('EXPIRE', KEYS[k + 8], expiry)
+  return {'ok', exists and 0 or 1, before[4] or '', parent_engine, tostring(last_active), before[3] or '0'}
 end
 
 local n = #KEYS / 10
-if n == 1 then return upsert(KEYS, ARGV) end
+if n == 1 then return upsert(0, 0) end
 local replies = {}
 for i = 0, n - 1 do
-  local keys, args = {}, {}
-  for j = 1, 10 do keys[j] = KEYS[10 * i + j] end
-  for j = 1, 13 do args[j] = ARGV[13 * i + j] end
-  replies[i + 1] = upsert(keys, args)
+  replies[i + 1] = upsert(10 * i, 13 * i)
 end
 return replies

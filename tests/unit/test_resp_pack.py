@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 from proxy.batching import Arg, _bulk, pack_tail
 from proxy.hints import Hint
 from proxy.settings import Limits
-from proxy.store import UPSERT_ARGS, UPSERT_KEYS, SessionStore
+from proxy.store import UPSERT_ARGS, UPSERT_KEYS, SessionStore, Usage
 
 KEYS: list[Arg] = ["kvk:s:t:sess1", "kvk:idx:t", "", "kvk:ch:t:sess1"]
 
@@ -56,3 +56,27 @@ def test_upsert_template_packs_the_same_call(hint: Hint) -> None:
         n, tail = pack_tail(*store._upsert_call("t", hint, now, requests))
         assert n == 1 + UPSERT_KEYS + UPSERT_ARGS
         assert store._tail(template, now, requests) == tail
+
+
+def test_completion_records_pack_the_same_call() -> None:
+    """Finished requests are packed from each session's cached keys and ids: the same bytes as
+    packing the whole ``complete`` call value by value."""
+    store = SessionStore(Redis(), Limits(), namespace="kvk")  # nothing is sent
+    records = [
+        (
+            "t",
+            "s1",
+            1733372400.125,
+            "http://e1:8000",
+            Usage(90, 64, 1),
+            Usage(180, 128, 2),
+            b"\x00c",
+        ),
+        ("t", "s\u00e9", 1733372401.5, "engine-\u00e9", Usage(), Usage(7, 0, 3), b""),
+        ("u", "s1", 1733372402.0, "http://e1:8000", Usage(5, 5, 5), Usage(5, 5, 5), b"ctx"),
+    ]
+    feed = store.feed_keys("")
+    for _ in range(2):  # the second time from the cached parts
+        assert store._complete_tail(records, feed) == pack_tail(
+            *store._complete_call(records, feed)
+        )

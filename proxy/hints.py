@@ -102,7 +102,7 @@ def _pydantic_message(exc: ValidationError, prefix: str) -> tuple[str, str]:
     return f"{loc}: {msg}", loc
 
 
-@dataclass
+@dataclass(slots=True)
 class _Draft:
     """Accumulates dialect contributions; the first dialect to set a field wins, conflicts fail."""
 

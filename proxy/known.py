@@ -93,7 +93,8 @@ class KnownSessions:
         queued = self._behind.get(key)
         if (
             entry is None
-            or entry.shape != _shape(hint)
+            or entry.shape
+            != (hint.parent_session_id, hint.agent_name, hint.ttl_s, hint.retention)  # _shape
             or time.monotonic() - entry.confirmed > self.known_for_s
         ):
             if queued is not None:  # it registers first: what is queued then asks the same
@@ -155,16 +156,17 @@ class KnownSessions:
             self.forget_all()
             self._requeue(batch)
             return
+        known, confirmed = self._known, time.monotonic()
         for key, result in zip(batch, results, strict=True):
             if isinstance(result, StoreRejected):
                 log.debug("session %s rejected behind its request: %s", key, result.reason)
-                self._known.pop(key, None)
+                known.pop(key, None)
                 continue
             if result.created and self._on_created is not None:
                 self._on_created()  # freed meanwhile: its repeat created it again
-            if (entry := self._known.get(key)) is not None:
+            if (entry := known.get(key)) is not None:
                 entry.upserted = _merged(entry, result)
-                entry.confirmed = time.monotonic()
+                entry.confirmed = confirmed
 
     def _requeue(self, batch: dict[Key, _Behind]) -> None:
         for key, later in self._behind.items():
@@ -183,6 +185,8 @@ def _merged(entry: _Entry | None, up: Upserted) -> Upserted:
     """Redis's answer, unless this process has finished a request of the session after what
     Redis had (its completion is written after the upsert)."""
     if entry is None or entry.upserted.last_active <= up.last_active:
+        if not up.created:
+            return up
         return Upserted(False, up.engine, up.parent_engine, up.last_active, up.last_prompt_tokens)
     mine = entry.upserted
     return Upserted(False, mine.engine, up.parent_engine, mine.last_active, mine.last_prompt_tokens)

@@ -95,8 +95,11 @@ class Runtime:
             return None
         completions.wake()
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
-        notes = "".join(f"; note={n}" for n in hint.notes) if hint.notes else ""
-        return Registration("accepted" + notes, self._with_buffered(tenant, hint, up), True)
+        if hint.notes or hint.parent_session_id:
+            notes = "".join(f"; note={n}" for n in hint.notes)
+            return Registration("accepted" + notes, self._with_buffered(tenant, hint, up), True)
+        # its own buffered completions are already in what is known (KnownSessions.completed)
+        return Registration("accepted", up, True)
 
     async def register(self, tenant: str, hint: Hint) -> Registration:
         """Upsert the hint's session; never raises: Redis trouble fails open."""
@@ -114,10 +117,11 @@ class Runtime:
             return Registration("rejected; reason=store_unavailable", None)
         if up.created:
             self.metrics.sessions_created.inc()
-        if self.known is not None:
+        up = self._with_buffered(tenant, hint, up)
+        if self.known is not None:  # with its buffered completions: repeats need not look
             self.known.accepted(tenant, hint, up)
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
-        return Registration("accepted" + notes, self._with_buffered(tenant, hint, up))
+        return Registration("accepted" + notes, up)
 
     async def unregister_failed(
         self, tenant: str, hint: Hint, registering: asyncio.Future[Registration]

@@ -225,33 +225,33 @@ class SessionStore(ProtectedMirror, PinLedger):
         a session's keys, id and deadline member packed once (``_record_parts``)."""
         keys = [pack_values((len(feed) + 3 * len(records), *feed))]
         args = [pack_values((self.limits.idle_expiry_s,))]
+        packed, engines = self._packed, self._engines_packed
         for tenant, sid, now, engine, last, total, context in records:
-            own_keys, own_tail = self._record_parts(tenant, sid)
-            keys.append(own_keys)
-            at = repr(now)
-            numbers = "".join(
-                [
-                    f"${len(x)}\r\n{x}\r\n"
-                    for x in (
-                        str(last.prompt_tokens),
-                        str(last.cached_tokens),
-                        str(total.prompt_tokens),
-                        str(total.cached_tokens),
-                        str(total.completion_tokens),
-                    )
-                ]
-            )
-            args.append(
-                b"".join(
-                    (
-                        f"${len(at)}\r\n{at}\r\n".encode(),
-                        self._engine_bulk(engine),
-                        numbers.encode(),
-                        b"$%d\r\n%b\r\n" % (len(context), context),
-                        own_tail,
-                    )
+            parts = packed.get((tenant, sid)) or self._record_parts(tenant, sid)
+            keys.append(parts[0])
+            # the time and the five counters: ASCII text, one encode
+            text = "\n".join(
+                (
+                    repr(now),
+                    str(last.prompt_tokens),
+                    str(last.cached_tokens),
+                    str(total.prompt_tokens),
+                    str(total.cached_tokens),
+                    str(total.completion_tokens),
                 )
-            )
+            ).encode()
+            at, lp, lc, tp, tc, tt = text.split(b"\n")
+            args.append(
+                b"$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n"
+                b"$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
+                % (
+                    len(at), at,
+                    engines.get(engine) or self._engine_bulk(engine),
+                    len(lp), lp, len(lc), lc, len(tp), tp, len(tc), tc, len(tt), tt,
+                    len(context), context,
+                    parts[1],
+                )
+            )  # fmt: skip
         return 1 + len(feed) + 3 * len(records) + 1 + 10 * len(records), b"".join(keys + args)
 
     def _record_parts(self, tenant: str, sid: str) -> tuple[bytes, bytes]:

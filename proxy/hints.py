@@ -345,6 +345,51 @@ def _prefix_digest(body: dict[str, Any], section: str, index: int) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+_AGENT_HINT_ONLY = ("agent_hint",)
+
+
+def _simple_id(value: str, limits: Limits) -> bool:
+    """An id ``_check_id`` accepts as it is, checked the quick way (printable ASCII)."""
+    return (
+        value.isascii()
+        and value.isprintable()
+        and len(value) <= limits.max_session_id_len
+        and bool(value.strip())
+    )
+
+
+def _common_hint(
+    route: str, headers: Mapping[str, str], body: dict[str, Any], limits: Limits
+) -> Hint | None:
+    """Most hinted requests: a plain ``agent_hint`` (``_plain_hint``) with a session id, no
+    other dialect, no TTL over the cap. Its hint, the one the draft would finish with (the
+    member removed from ``body``); None for anything else, which the draft handles."""
+    raw = body.get("agent_hint")
+    if (
+        type(raw) is not dict
+        or route == "/v1/messages"
+        or "prompt_cache_key" in body
+        or "prompt_cache_retention" in body
+        or "X-Session-Id" in headers
+        or "X-Parent-Session-Id" in headers
+        or "X-Agent-Name" in headers
+        or "X-Cache-TTL" in headers
+    ):
+        return None
+    plain = _plain_hint(raw)
+    if plain is None:
+        return None
+    sid, pid, ttl = plain
+    if sid is None or not _simple_id(sid, limits):
+        return None
+    if pid is not None and (pid == sid or not _simple_id(pid, limits)):
+        return None
+    if ttl is not None and ttl > limits.max_ttl_s:
+        return None
+    del body["agent_hint"]
+    return Hint(sid, pid, ttl_s=ttl, dialects=_AGENT_HINT_ONLY)
+
+
 def might_carry_body_hint(raw: bytes) -> bool:
     """Cheap pre-check: a body without these bytes carries no body hint and is never parsed."""
     return b"agent_hint" in raw or b"prompt_cache_" in raw or b"cache_control" in raw
@@ -354,12 +399,12 @@ def parse_request(
     route: str, headers: Mapping[str, str], raw: bytes, limits: Limits
 ) -> ParsedRequest:
     """Extract the hint from one request; raise BadRequest on an invalid hint or body."""
-    draft = _Draft(limits)
     body: dict[str, Any] | None = None
     fast = True
     marked = might_carry_body_hint(raw)
     if marked and (split := split_last_agent_hint(raw)) is not None:
         value, stripped = split  # a large body, hint last: only the hint is parsed
+        draft = _Draft(limits)
         _agent_hint(draft, value)
         _headers(draft, headers)
         return ParsedRequest(hint=draft.finish(), body=stripped, json_body=None)
@@ -373,6 +418,9 @@ def parse_request(
         if not isinstance(parsed, dict):
             raise BadRequest("request body must be a JSON object", code="invalid_json")
         body = parsed
+        if (common := _common_hint(route, headers, body, limits)) is not None:
+            return ParsedRequest(common, jsonio.dumps(body, fast=fast), body)
+        draft = _Draft(limits)
         if "agent_hint" in body:
             _agent_hint(draft, body.pop("agent_hint"))
         _headers(draft, headers)
@@ -380,6 +428,7 @@ def parse_request(
         if route == "/v1/messages":
             _anthropic(draft, body)
     else:
+        draft = _Draft(limits)
         _headers(draft, headers)
     hint = draft.finish()
     if body is not None:

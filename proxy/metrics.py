@@ -42,7 +42,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         # process_* (CPU, memory, open fds, start time), python_info and python_gc_*, as the
         # default registry of prometheus_client would export them
         # with worker processes these stay per process; the rest is summed over the workers
@@ -304,7 +304,7 @@ class Metrics:
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, remembered: the request path asks for the same few."""
-        key = (id(metric), labels)
+        key = (metric, labels)  # a metric hashes by identity
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)

@@ -160,9 +160,10 @@ class Retention:
         prompt extends its previous one would hit all of that prompt's full blocks if they
         were still resident; fewer cached tokens after a gap bound the horizon below it."""
         es = self.engines.get(engine)
+        signals = es.engine.signals if es is not None else None
+        now = time.time()
         if self.guards is not None and key is not None and usage is not None:
-            now = time.time()
-            horizon = es.signals.horizon(now) if es is not None else math.inf
+            horizon = signals.horizon(now) if signals is not None else math.inf
             self.guards.resumed(
                 engine,
                 key,
@@ -171,10 +172,10 @@ class Retention:
                 horizon_s=horizon,
                 last_active=before.last_active,
             )
-        if es is None or es.signals.has_events or usage is None or not before.last_active:
+        if signals is None or signals.has_events or usage is None or not before.last_active:
             return
-        es.signals.observe_resume(
-            time.time() - before.last_active,
+        signals.observe_resume(
+            now - before.last_active,
             usage.cached_tokens,
             usage.prompt_tokens,
             before.last_prompt_tokens,

@@ -32,6 +32,9 @@ from proxy.settings import Limits
 from proxy.store_model import SEP, StoreDown, as_text
 
 T = TypeVar("T")
+# ``answering`` looks at the script connection at most this often (a request arriving in the
+# same millisecond as Redis's end is as likely to have come just before it)
+ANSWERING_FOR_S = 0.001
 _SCRIPTS = (
     "upsert",
     "complete",
@@ -67,6 +70,7 @@ class StoreBase:
         self.ns = namespace
         self._cooldown_s = cooldown_s
         self._down_until = 0.0
+        self._answered_at = -1e9  # when ``answering`` last found the script connection open
         self._on_error = on_error
         self._known_tenants: set[str] = set()
         sources = {name: _script(f"{name}.lua") for name in _SCRIPTS}
@@ -138,8 +142,14 @@ class StoreBase:
         """Whether Redis may be taken to accept a known session's repeat without asking: no
         recent failure, and the script connection open and not closed by Redis (a single
         Redis or Sentinel's master; never on a cluster, whose calls go to several nodes)."""
+        now = time.monotonic()
+        if now - self._answered_at < ANSWERING_FOR_S:  # checked a moment ago (no failure since)
+            return True
         scripts = self.scripts
-        return self.available and isinstance(scripts, ScriptBatcher) and scripts.connected
+        ok = now >= self._down_until and isinstance(scripts, ScriptBatcher) and scripts.connected
+        if ok:
+            self._answered_at = now
+        return ok
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         if not self.available:
@@ -156,6 +166,7 @@ class StoreBase:
             OSError,
         ) as exc:
             self._down_until = time.monotonic() + self._cooldown_s
+            self._answered_at = -1e9
             if self._on_error is not None:
                 self._on_error()
             raise StoreDown(f"redis unavailable: {exc}") from exc

@@ -124,10 +124,17 @@ class SessionStore(ProtectedMirror, PinLedger):
 
     def _args(self, template: Template, now: float, requests: int) -> bytes:
         """An upsert's packed arguments from its template (as ``_upsert_call``)."""
-        at, stale, n = repr(now), repr(now - self.limits.idle_expiry_s), str(requests)
-        head = f"${len(at)}\r\n{at}\r\n".encode()  # numbers: ASCII, one byte a character
-        tail = f"${len(stale)}\r\n{stale}\r\n${len(n)}\r\n{n}\r\n".encode()
-        return head + template[1] + tail
+        # numbers written by bytes formatting (%a: a float's repr), no str() or encode()
+        at, stale, n = b"%a" % now, b"%a" % (now - self.limits.idle_expiry_s), b"%d" % requests
+        return b"$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n" % (
+            len(at),
+            at,
+            template[1],
+            len(stale),
+            stale,
+            len(n),
+            n,
+        )
 
     def _tail(self, template: Template, now: float, requests: int) -> bytes:
         """A whole upsert call's numkeys, keys and arguments from its template."""
@@ -229,18 +236,10 @@ class SessionStore(ProtectedMirror, PinLedger):
         for tenant, sid, now, engine, last, total, context in records:
             parts = packed.get((tenant, sid)) or self._record_parts(tenant, sid)
             keys.append(parts[0])
-            # the time and the five counters: ASCII text, one encode
-            text = "\n".join(
-                (
-                    repr(now),
-                    str(last.prompt_tokens),
-                    str(last.cached_tokens),
-                    str(total.prompt_tokens),
-                    str(total.cached_tokens),
-                    str(total.completion_tokens),
-                )
-            ).encode()
-            at, lp, lc, tp, tc, tt = text.split(b"\n")
+            # the time and the five counters by bytes formatting (%a: a float's repr)
+            at, lp, lc = b"%a" % now, b"%d" % last.prompt_tokens, b"%d" % last.cached_tokens
+            tp, tc = b"%d" % total.prompt_tokens, b"%d" % total.cached_tokens
+            tt = b"%d" % total.completion_tokens
             args.append(
                 b"$%d\r\n%b\r\n%b$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n"
                 b"$%d\r\n%b\r\n$%d\r\n%b\r\n%b"

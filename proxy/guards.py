@@ -104,6 +104,12 @@ class Guards:
         if held is None or tokens >= held.tokens:
             book[key] = _Kept(max(0, tokens), tier)
 
+    def holding(self, engine: str, key: Key) -> bool:
+        """Whether retention kept something for the session on ``engine`` (what ``resumed``
+        credits; without it ``resumed`` needs no horizon)."""
+        book = self._kept.get(engine)
+        return book is not None and key in book
+
     def resumed(
         self,
         engine: str,

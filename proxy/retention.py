@@ -162,9 +162,12 @@ class Retention:
         es = self.engines.get(engine)
         signals = es.engine.signals if es is not None else None
         now = time.time()
-        if self.guards is not None and key is not None and usage is not None:
-            horizon = signals.horizon(now) if signals is not None else math.inf
-            self.guards.resumed(
+        guards = self.guards
+        if guards is not None and key is not None and usage is not None:
+            # the horizon only for a session retention kept something for (resumed credits it)
+            held = signals is not None and guards.holding(engine, key)
+            horizon = signals.horizon(now) if signals is not None and held else math.inf
+            guards.resumed(
                 engine,
                 key,
                 usage.cached_tokens,

@@ -97,6 +97,23 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--ttl-cap", type=float, default=600.0)
     p.add_argument("--prefetch-lead", type=float, default=1.0)
     p.add_argument(
+        "--end-turn-ttl",
+        type=float,
+        default=0.0,
+        help="full hints: TTL asked on calls that end a turn (0: none; an experiment)",
+    )
+    p.add_argument(
+        "--end-turn-from",
+        type=int,
+        default=0,
+        help="--end-turn-ttl from this step of a session on (0: every call)",
+    )
+    p.add_argument(
+        "--no-end-evict",
+        action="store_true",
+        help="full hints: no evict when a session finishes (the client cannot know it is over)",
+    )
+    p.add_argument(
         "--retention",
         action="append",
         default=[],
@@ -153,7 +170,12 @@ def spec_from_args(args: argparse.Namespace) -> CompareSpec:
             progress=not args.no_progress,
         ),
         hints=HintPolicy(
-            ttl_factor=args.ttl_factor, ttl_cap=args.ttl_cap, prefetch_lead=args.prefetch_lead
+            ttl_factor=args.ttl_factor,
+            ttl_cap=args.ttl_cap,
+            prefetch_lead=args.prefetch_lead,
+            end_turn_ttl=args.end_turn_ttl,
+            end_turn_from=args.end_turn_from,
+            end_evict=not args.no_end_evict,
         ),
         api=None if args.api == "workload" else args.api,
         retention=parse_overrides(args.retention),

@@ -195,7 +195,7 @@ class _Player:
             await self._call(sid, parent, step, i, target_t, None if pause is None else pause * ts)
             done = self.now()
         await asyncio.gather(*waited, *background)
-        if self.target.hints.mode == "full":
+        if self.target.hints.mode == "full" and self.target.hints.end_evict:
             await self._manage(sid, parent, "evict")
         record.t_end = self.now()
 
@@ -224,6 +224,7 @@ class _Player:
             agent=call.agent,
             tool_pause=pause,
             ends_in_tool_call=call.stop == "tool_use",
+            step=turn,
         )
         path, body = self._body(call)
         body.update(hints.body)

@@ -3,7 +3,8 @@
 Modules: ``horizon`` (LRU horizon estimate), ``keepalive`` (touch schedule), ``budget`` (soft-TTL
 budget, pressure overrides), ``routing`` (engine choice), ``overhead`` (what touches and
 warm-ups may recompute), ``admission`` (engine priorities), ``steps`` (the engine's step length from a latency
-histogram), ``tier_pins`` (what to pin in the offload tier), ``smoothing`` (EWMA). Time is
+histogram), ``tier_pins`` (what to pin in the offload tier), ``smoothing`` (EWMA), ``returns`` (protection
+of sessions that return without a TTL). Time is
 always passed in as ``now``; nothing here reads a clock.
 """
 
@@ -38,6 +39,7 @@ from policy.keepalive import (
     touch_interval,
 )
 from policy.overhead import OverheadBudget, OverheadConfig
+from policy.returns import ReturnWindow, ReturnWindowConfig
 from policy.routing import (
     EngineCandidate,
     EngineScore,
@@ -72,6 +74,8 @@ __all__ = [
     "OverheadConfig",
     "PinCandidate",
     "ProtectedSession",
+    "ReturnWindow",
+    "ReturnWindowConfig",
     "RouteDecision",
     "RouteRequest",
     "RoutingConfig",

@@ -280,6 +280,11 @@ class Metrics:
         self.pressure_overrides = Counter(
             "kvkeeper_pressure_overrides", "Protections lapsed by the soft-TTL budget", registry=r
         )
+        self.return_protections = Counter(
+            "kvkeeper_return_protections",
+            "Sessions back without a TTL hint, protected for the learned return window",
+            registry=r,
+        )
         self.retention_tick = Histogram(
             "kvkeeper_retention_tick_seconds",
             "Wall time of one retention tick (the event loop is shared with the data plane)",

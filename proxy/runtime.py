@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from policy import ReturnWindow, ReturnWindowConfig
 from proxy.auth import TenantMap
 from proxy.edits import EditExecutor, UnsupportedEdits
 from proxy.hints import Hint
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from proxy.retention import Retention
 
 log = logging.getLogger("kvkeeper.runtime")
+
+MAX_RETURNED = 100_000  # sessions remembered as having returned (their pauses no longer sampled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +58,18 @@ class Runtime:
     known: KnownSessions | None = None  # repeats of known sessions skip the upsert's round trip
     placer: Placer = field(init=False)
     prefix_share: PrefixShare | None = None  # the placer's prefix index shared with replicas
+    returns: ReturnWindow | None = None  # protection of sessions returning without a TTL
+    _returned: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.pool, self.settings.placement, self.metrics)
+        factor = self.settings.retention.return_ttl_factor
+        if self.returns is None and factor > 0 and self.settings.retention.enabled:
+            self.returns = ReturnWindow(
+                ReturnWindowConfig(factor=factor, max_ttl_s=self.settings.limits.max_ttl_s)
+            )
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run work off the hot path; keep a reference so it is not collected mid-flight."""
@@ -95,6 +106,7 @@ class Runtime:
             return None
         completions.wake()
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
+        self._protect_return(tenant, hint, up)
         if hint.notes or hint.parent_session_id:
             notes = "".join(f"; note={n}" for n in hint.notes)
             return Registration("accepted" + notes, self._with_buffered(tenant, hint, up), True)
@@ -121,7 +133,36 @@ class Runtime:
         if self.known is not None:  # with its buffered completions: repeats need not look
             self.known.accepted(tenant, hint, up)
         self.metrics.child(self.metrics.hint_outcomes, "accepted", "").inc()
+        self._protect_return(tenant, hint, up)
         return Registration("accepted" + notes, up)
+
+    def _protect_return(self, tenant: str, hint: Hint, up: Upserted) -> None:
+        """A session back without a TTL hint: protect it for the learned window
+        (``policy/returns.py``); its first return's pause teaches the window."""
+        returns, store = self.returns, self.store
+        if returns is None or store is None or hint.ttl_s is not None or up.created:
+            return
+        if up.last_active <= 0:
+            return
+        now = time.time()
+        key = (tenant, hint.session_id)
+        if key in self._returned:
+            self._returned.move_to_end(key)
+        else:  # its first return seen here: later pauses are shortened by its own touches
+            returns.observe(now - up.last_active)
+            self._returned[key] = None
+            if len(self._returned) > MAX_RETURNED:
+                self._returned.popitem(last=False)
+        ttl = returns.ttl()
+        if ttl is not None:
+            self.spawn(self._protect(store, tenant, hint.session_id, now, ttl))
+
+    async def _protect(
+        self, store: SessionStore, tenant: str, sid: str, now: float, ttl: float
+    ) -> None:
+        with contextlib.suppress(StoreDown):
+            if await store.protect(tenant, sid, now, ttl):
+                self.metrics.return_protections.inc()
 
     async def unregister_failed(
         self, tenant: str, hint: Hint, registering: asyncio.Future[Registration]

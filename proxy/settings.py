@@ -158,6 +158,14 @@ class RetentionSettings(BaseModel):
         le=1,
         description="Protected blocks at most this share of the engine's pool.",
     )
+    return_ttl_factor: float = Field(
+        default=2.0,
+        ge=0,
+        le=100,
+        description="A session that returns without a TTL hint is protected for this many "
+        "times the median pause before sessions' first returns, learned online "
+        "(policy/returns.py; 0: off).",
+    )
     max_overhead_share: float | None = Field(
         default=0.01,
         gt=0,

@@ -415,9 +415,14 @@ class PinRule:
     later_first: bool = False  # a later turn may displace the newest first-turn pins
 
 
-def simulate_tiered(turns: Sequence[Turn], gpu: int, tier: int, rule: PinRule | None) -> int:
+def simulate_tiered(
+    turns: Sequence[Turn], gpu: int, tier: int, rule: PinRule | None, evict_ended: bool = False
+) -> int:
     """GPU LRU of ``gpu`` blocks plus a written-through LRU tier of ``tier`` blocks (LMCache's
-    shape) in which ``rule`` pins finished turns' prompts; a block the tier holds is a hit."""
+    shape) in which ``rule`` pins finished turns' prompts; a block the tier holds is a hit.
+    ``evict_ended``: a conversation's last turn deletes its blocks from the tier when it ends
+    (the load generator's ``evict``, sent because it knows that turn is the last; the block
+    every conversation shares is kept)."""
     events = sorted([(t.arrival, 1, t.seq) for t in turns] + [(t.finish, 0, t.seq) for t in turns])
     ref: dict[int, int] = {}
     free: OrderedDict[int, None] = OrderedDict()
@@ -461,6 +466,10 @@ def simulate_tiered(turns: Sequence[Turn], gpu: int, tier: int, rule: PinRule | 
                 else:
                     del ref[b]
                     free[b] = None
+            if evict_ended and t.returns_at == _NEVER:
+                for b in t.keys[1:]:
+                    if b not in ref:
+                        stored.pop(b, None)
             if rule is not None and t.turn >= rule.min_turn and t.keys:
                 if t.conv in pins:
                     unpin(t.conv)
@@ -703,6 +712,11 @@ def report(turns: Sequence[Turn], gpu: int, tier: int, total: int, bt: int) -> N
     for name, rule in rules.items():
         rate = bt * simulate_tiered(turns, gpu, tier, rule) / total
         print(f"| {name} | {100 * rate:.1f}% | {_closed(rate, lru, bel)} |")
+    rate = bt * simulate_tiered(turns, gpu, tier, None, evict_ended=True) / total
+    print(
+        f"| clairvoyant: no pins, the tier deletes a conversation at its last turn (the load "
+        f"generator's evict) | {100 * rate:.1f}% | {_closed(rate, lru, bel)} |"
+    )
 
     base = simulate_kept(turns, gpu, tier, 0.0, 0.0, 0.0, gpu_keep=False, block=bt)
     horizon = sorted(base.lru_ages)[len(base.lru_ages) // 2] if base.lru_ages else 0.0

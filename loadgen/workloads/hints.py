@@ -30,6 +30,9 @@ class HintPolicy:
     ttl_unknown_pause: float = 60.0  # TTL before a join whose length the client cannot know
     prefetch_lead: float = 1.0
     min_prefetch_pause: float = 3.0
+    end_turn_ttl: float = 0.0  # TTL asked on calls that end a turn (0: none); an experiment
+    end_turn_from: int = 0  # ... from this step of a session on (0: its first call)
+    end_evict: bool = True  # ``evict`` when a session finishes (False: the client never knows)
 
     def ttl_for(self, pause: float | None) -> float:
         """Retention asked for across a tool pause of ``pause`` seconds (``None``: unknown)."""
@@ -54,6 +57,7 @@ def call_hints(
     agent: str | None,
     tool_pause: float | None,
     ends_in_tool_call: bool,
+    step: int = 0,
 ) -> CallHints:
     """Headers and extra body fields for one model call."""
     if policy.mode == "none":
@@ -65,6 +69,9 @@ def call_hints(
         hint["parent_session_id"] = parent_id
     if ends_in_tool_call:
         hint["cache_control"] = {"type": "ephemeral", "ttl": policy.ttl_for(tool_pause)}
+    elif policy.end_turn_ttl > 0 and step >= policy.end_turn_from:
+        ttl = round(min(policy.end_turn_ttl, MAX_TTL), 3)
+        hint["cache_control"] = {"type": "ephemeral", "ttl": ttl}
     headers = {"X-Agent-Name": agent} if agent else {}
     return CallHints(headers, {"agent_hint": hint})
 

@@ -60,7 +60,11 @@ async def test_paging_while_sessions_are_used_lists_each_exactly_once(
     tenants.write_text(TENANTS)
     n = 30
     sids = {t: [f"s-{i:03d}" for i in range(n)] for t in KEY}
-    async with proxy_stack(redis_server.url, namespace, tenants_file=tenants) as st:
+    # sessions used again stay idle (no return protection): the state filter pages the idle
+    no_returns = {"retention": {"return_ttl_factor": 0}}
+    async with proxy_stack(
+        redis_server.url, namespace, tenants_file=tenants, overrides=no_returns
+    ) as st:
         for tenant, ids in sids.items():
             for sid in ids:
                 await _use(st, tenant, sid)

@@ -254,6 +254,13 @@ def test_hint_modes() -> None:
     }
     end = call_hints(HintPolicy("full"), **(kw | {"ends_in_tool_call": False}))  # type: ignore[arg-type]
     assert "cache_control" not in end.body["agent_hint"]
+    # the end-of-turn TTL experiment: a TTL on calls ending a turn, from a given step on
+    turn_ttl = HintPolicy("full", end_turn_ttl=36.0, end_turn_from=1)
+    kw_end = kw | {"ends_in_tool_call": False}
+    first = call_hints(turn_ttl, **kw_end)  # type: ignore[arg-type]
+    assert "cache_control" not in first.body["agent_hint"]
+    later = call_hints(turn_ttl, **(kw_end | {"step": 1}))  # type: ignore[arg-type]
+    assert later.body["agent_hint"]["cache_control"] == {"type": "ephemeral", "ttl": 36.0}
     assert HintPolicy("full").ttl_for(10.0) == 20.0 and HintPolicy("full").ttl_for(None) == 60.0
     assert HintPolicy("full", ttl_cap=1e9).ttl_for(1e6) == 3600.0
     body = manage_body("m", session_id="s1", parent_id=None, edit="evict")

@@ -1,0 +1,78 @@
+"""A session back without a TTL hint is protected for the learned return window
+(policy/returns.py, wired in proxy/runtime.py): its first return teaches the window, and
+sessions with a TTL of their own, or on their first request, are left as they asked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from policy import ReturnWindow, ReturnWindowConfig
+from proxy.runtime import RUNTIME, Runtime
+from tests.helpers.redis_server import RedisServer
+from tests.integration.proxy_fixtures import Stack, proxy_stack
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello " * 40}]}
+
+
+def _body(sid: str, ttl: float | None = None) -> dict[str, Any]:
+    hint: dict[str, Any] = {"session_id": sid}
+    if ttl is not None:
+        hint["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+    return {**CHAT, "agent_hint": hint}
+
+
+async def _post(st: Stack, body: dict[str, Any]) -> None:
+    resp = await st.client.post("/v1/chat/completions", json=body)
+    await resp.read()
+    assert resp.status == 200
+
+
+def _rt(st: Stack) -> Runtime:
+    app = st.client.app
+    assert app is not None
+    rt: Runtime = app[RUNTIME]
+    return rt
+
+
+async def test_a_returning_session_is_protected_for_the_learned_window(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.store is not None and rt.returns is not None  # on by default
+        assert rt.returns.config.factor == 2.0
+        rt.returns = ReturnWindow(ReturnWindowConfig(factor=3.0, min_samples=1, min_ttl_s=30.0))
+        await _post(st, _body("chat"))
+        await _post(st, _body("tool", ttl=90.0))
+        await rt.settle()
+        first = await rt.store.get("default", "chat")
+        assert first is not None and first.ttl_until == 0  # a first request: nothing known
+        await asyncio.sleep(0.2)
+        start = time.time()
+        await _post(st, _body("chat"))
+        await _post(st, _body("tool", ttl=90.0))
+        await rt.drain()
+        await rt.settle()
+        back = await rt.store.get("default", "chat")
+        assert back is not None and rt.returns.samples == 1  # the TTL-hinted one taught nothing
+        assert back.state == "protected"
+        assert start + 29.0 <= back.ttl_until <= time.time() + 31.0  # 3 x 0.2 s, at least 30 s
+        tool = await rt.store.get("default", "tool")
+        assert tool is not None and tool.ttl_until <= time.time() + 91.0  # its own TTL
+        await _post(st, _body("chat"))  # a later return is protected but teaches nothing
+        await rt.drain()
+        assert rt.returns.samples == 1
+
+
+async def test_off_at_factor_zero(redis_server: RedisServer, namespace: str) -> None:
+    overrides = {"retention": {"return_ttl_factor": 0}}
+    async with proxy_stack(redis_server.url, namespace, overrides=overrides) as st:
+        rt = _rt(st)
+        assert rt.returns is None and rt.store is not None
+        for _ in range(2):
+            await _post(st, _body("chat"))
+        await rt.settle()
+        session = await rt.store.get("default", "chat")
+        assert session is not None and session.ttl_until == 0

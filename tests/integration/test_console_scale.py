@@ -7,6 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+from redis.asyncio import Redis
+
+import proxy.app
 from proxy.console_models import ForestPage
 from proxy.hints import Hint
 from proxy.runtime import RUNTIME
@@ -20,8 +24,15 @@ TREES, FANOUT = 1000, 9  # 1,000 leads with 9 workers each: 10,000 sessions
 
 
 async def test_forest_pages_and_searches_10k_sessions(
-    redis_server: RedisServer, namespace: str, tmp_path: Path, browser: Any
+    redis_server: RedisServer,
+    namespace: str,
+    tmp_path: Path,
+    browser: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # a loaded machine, not Redis, stalls calls past the fail-fast 0.5 s here: not what this
+    # test is about
+    monkeypatch.setattr(proxy.app, "REDIS_TIMEOUT_S", 5.0)
     async with proxy_stack(redis_server.url, namespace) as st:
         store = st.client.app[RUNTIME].store
         assert store is not None
@@ -39,14 +50,30 @@ async def test_forest_pages_and_searches_10k_sessions(
                 )
             )
 
+        info = Redis.from_url(redis_server.url)
+
+        async def spent() -> tuple[float, int]:
+            """CPU seconds of this process (client and proxy) and of redis-server, and the
+            commands redis-server has run: what a page costs, which a loaded machine's
+            scheduling does not stretch as it stretches wall time."""
+            cpu, stats = await info.info("cpu"), await info.info("stats")
+            own = time.process_time() + float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+            return own, int(stats["total_commands_processed"])
+
+        costs: list[tuple[float, float, int]] = []
+
         async def forest(**params: str) -> tuple[ForestPage, float]:
+            cpu0, commands0 = await spent()
             started = time.perf_counter()
             resp = await st.client.get(
                 "/admin/console/forest", params=params, headers=ADMIN_HEADERS
             )
             assert resp.status == 200, await resp.text()
             page = ForestPage.model_validate(await resp.json())
-            return page, time.perf_counter() - started
+            wall = time.perf_counter() - started
+            cpu1, commands1 = await spent()
+            costs.append((wall, cpu1 - cpu0, commands1 - commands0 - 2))  # less spent()'s INFOs
+            return page, cpu1 - cpu0
 
         page, cold = await forest()
         assert page.total_sessions == TREES * (1 + FANOUT) and page.total_trees == TREES
@@ -60,12 +87,14 @@ async def test_forest_pages_and_searches_10k_sessions(
         assert page.total_trees == TREES and page.matched_sessions == TREES
         page, _ = await forest(state="active", limit="5")
         assert page.total_trees == TREES and page.states["active"] == TREES * (1 + FANOUT)
-        # generous bounds for a 2-core machine shared with other work: a page must not take
-        # seconds (one pipelined skeleton read, then the page's 500 records)
+        await info.aclose()
+        print("forest at 10k sessions (wall s, cpu s, redis commands):", costs)
+        # a page must not cost seconds (one pipelined skeleton read, then the page's 500
+        # records): CPU seconds here, as the wall time of a shared 2-core machine varies
+        # tenfold; and at most one pass over the 10,000 sessions' keys
         assert cold < 3.0 and warm < 3.0 and search < 3.0, (cold, warm, search)
-        print(
-            f"forest at 10k sessions: cold {cold:.3f} s, page 20 {warm:.3f} s, search {search:.3f} s"
-        )
+        sessions = TREES * (1 + FANOUT)
+        assert all(commands < 1.5 * sessions for _, _, commands in costs), costs
 
         # the page: one page of trees at a time, the next page and a search from the server
         page = await browser.new_page(viewport={"width": 1400, "height": 900})

@@ -44,6 +44,7 @@ from loadgen.sim.server import SimConfig, SimEndpoints
 from loadgen.stack import (
     clear_lmcache_l1,
     reset_prefix_cache,
+    start_floor,
     start_kvkeeper,
     start_redis,
     start_router,
@@ -138,6 +139,9 @@ async def _front(name: str, sims: list[SimEndpoints], spec: CompareSpec) -> Asyn
     target = TARGETS[base]
     if target.kind == "engine":
         yield sims[0].url
+    elif target.kind == "floor":
+        async with start_floor(sims[0].url, logs) as url:
+            yield url
     elif target.kind == "router":
         assert spec.router is not None and target.router_policy is not None
         urls = [s.url for s in sims]

@@ -6,7 +6,9 @@ A target says what the client talks to and how the engines behind it are set up:
 * ``kvkeeper``: through ``kvkeeper serve``, the client sending the target's hint mode
   (:mod:`loadgen.workloads.hints`) and kvkeeper running with the target's retention settings
   added to the run's own (``--retention``);
-* ``router``: through ``vllm-router`` with the target's policy (several replicas only).
+* ``router``: through ``vllm-router`` with the target's policy (several replicas only);
+* ``floor``: through the barest streaming aiohttp pass-through (``loadgen.floor``, one replica):
+  what any Python proxy hop costs on the machine, to set kvkeeper's own part apart.
 
 Adding a target is one entry in :data:`TARGETS` (docs/extending.md). A kvkeeper target may
 carry settings of its own after ``@`` on the command line: ``full+pins@tier_pin_share=0.8``
@@ -26,7 +28,7 @@ from loadgen.workloads import parse_overrides
 from loadgen.workloads.hints import HintMode
 from proxy.settings import RETENTION_KEYS
 
-TargetKind = Literal["engine", "kvkeeper", "router"]
+TargetKind = Literal["engine", "kvkeeper", "router", "floor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,7 @@ class BenchTarget:
 
     def applies(self, replicas: int) -> bool:
         """Whether the target can run on ``replicas`` engines at all."""
-        if self.kind == "engine":
+        if self.kind in ("engine", "floor"):
             return replicas == 1
         if self.kind == "router":
             return replicas > 1
@@ -67,6 +69,9 @@ TARGETS: dict[str, BenchTarget] = {
     "engine-deadfirst": BenchTarget(
         "engine", "engine dropping blocks never used again first, else LRU, no CPU tier",
         sim=_NO_TIER, evict_rule="dead-first",
+    ),
+    "floor": BenchTarget(
+        "floor", "through a bare aiohttp pass-through (the hop any Python proxy adds)"
     ),
     "none": BenchTarget("kvkeeper", "through kvkeeper, no hints", hints="none", default=True),
     "session": BenchTarget(
@@ -142,7 +147,7 @@ def plan_targets(
         if unknown := sorted(set(settings) - RETENTION_KEYS - PROCESS_KEYS):
             raise ValueError(f"{name!r}: no retention setting {', '.join(unknown)}")
         reason = None
-        if target.kind == "engine" and replicas > 1:
+        if target.kind in ("engine", "floor") and replicas > 1:
             reason = "several replicas: a plain client cannot spread over them"
         elif target.evict_rule and not simulated:
             reason = "eviction by the future needs the simulator"

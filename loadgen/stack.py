@@ -220,6 +220,17 @@ def _write_yaml(path: Path, doc: dict[str, Any]) -> Path:
 
 
 @asynccontextmanager
+async def start_floor(upstream: str, log_dir: Path) -> AsyncIterator[str]:
+    """The bare aiohttp pass-through (``loadgen.floor``) in front of ``upstream``."""
+    port = free_port()
+    argv = [sys.executable, "-m", "loadgen.floor", "--port", str(port), upstream]
+    async with _process(argv, log_dir / f"floor-{port}.log") as proc:
+        url = f"http://127.0.0.1:{port}"
+        await wait_http(url + "/health", proc)
+        yield url
+
+
+@asynccontextmanager
 async def start_router(
     exe: str, worker_urls: Sequence[str], policy: str, log_dir: Path
 ) -> AsyncIterator[str]:

@@ -36,3 +36,16 @@ def test_settings_after_at_are_parsed() -> None:
         {"tier_pin_share": 0.8, "tick_s": 1},
     )
     assert target_of("full+pins@tier_pin_share=0.8") is TARGETS["full+pins"]
+
+
+def test_floor_runs_on_one_replica_only() -> None:
+    assert plan_targets(("engine", "floor", "none"), 1, None) == [
+        ("engine", None),
+        ("floor", None),
+        ("none", None),
+    ]
+    assert plan_targets(("floor",), 2, None) == [
+        ("floor", "several replicas: a plain client cannot spread over them")
+    ]
+    with pytest.raises(ValueError, match="only kvkeeper targets"):
+        plan_targets(("floor@tick_s=1",), 1, None)

@@ -5,6 +5,7 @@ process that started them is killed. Real processes, found by a marker in their 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -67,9 +68,8 @@ def test_the_embedded_redis_dies_with_the_process_that_started_it(mark: Mark) ->
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
     try:
-        assert proc.stdout.readline().startswith("unix://")
+        assert _first_line(proc).startswith("unix://")
         assert len(redis_servers(mark)) == 1
     finally:
         proc.kill()
@@ -100,9 +100,16 @@ def _serve(mark: Mark, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=_child_env(mark))
 
 
-def _listening(proc: subprocess.Popen[str]) -> None:
+def _first_line(proc: subprocess.Popen[str]) -> str:
+    """The child's first line of output, waiting at most ``UP_S``."""
     assert proc.stdout is not None
-    line = proc.stdout.readline()
+    ready, _, _ = select.select([proc.stdout], [], [], UP_S)
+    assert ready, f"no output within {UP_S:.0f} s"
+    return proc.stdout.readline()
+
+
+def _listening(proc: subprocess.Popen[str]) -> None:
+    line = _first_line(proc)
     assert "kvkeeper listening" in line, line
 
 

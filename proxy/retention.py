@@ -32,8 +32,10 @@ from policy import (
     OverheadBudget,
     OverheadConfig,
     ProtectedSession,
+    effective_budget,
     plan_budget,
     plan_touches,
+    touch_interval,
 )
 from proxy.admin_models import (
     EngineResidency,
@@ -43,6 +45,7 @@ from proxy.admin_models import (
 )
 from proxy.block_cache import BlockCache
 from proxy.console_models import TierPins
+from proxy.driven import Driven
 from proxy.engine_state import EngineState
 from proxy.guards import Guards
 from proxy.keys import SessionKey
@@ -115,6 +118,7 @@ class Retention:
         self.holder = uuid.uuid4().hex[:12]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        self._driven: dict[str, Driven] = {}  # per engine: the protected sessions it drives
         self._keepalive = KeepaliveConfig(
             safety_fraction=SAFETY_FRACTION,
             max_concurrent_touches=MAX_CONCURRENT_TOUCHES,
@@ -186,6 +190,9 @@ class Retention:
 
     def forget(self, key: SessionKey) -> None:
         self.blocks.forget(key)
+        for d in self._driven.values():  # its block ids are to be learned again
+            if key in d.sessions:
+                d.stale.add(key)
         if self.guards is not None:
             self.guards.forget(key)
 
@@ -239,28 +246,59 @@ class Retention:
         await es.signals.scrape(now)
         horizon = es.signals.horizon(now)
         self.metrics.child(self.metrics.horizon, es.name).set(horizon)
-        # a session that has not finished a request yet has no recorded context to touch
-        sessions = [
-            s for s in await self.store.protected(now) if s.last_used > 0 and self._drives(es, s)
-        ]
-        blocks: dict[SessionKey, tuple[int, ...]] = {}
-        for s in sessions:
+        d = self._driven.setdefault(es.name, Driven())
+        await d.sync(self.store, await self.store.protected(now), lambda s: self._drives(es, s))
+        d.learned = len(d.stale)
+        for key in list(d.stale):  # changed, or ids not learned yet
             # the loop is the data plane's too: requests waiting for it wait for one session's
             # block ids (a context decoded and hashed), not for the whole tick
             await asyncio.sleep(0)
-            blocks[key_of(s)] = await self.blocks.blocks_of(key_of(s), s, active_s=RELEARN_IDLE_S)
+            s = d.sessions.get(key)
+            if s is None:
+                continue
+            d.set_blocks(key, await self.blocks.blocks_of(key, s, active_s=RELEARN_IDLE_S))
+            if self.blocks.current(key, s.last_used):
+                d.stale.discard(key)
+        blocks = d.blocks
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
         # the pins of sessions no longer protected are released, so this runs with none too)
-        held = await self.tiers.tick(es, sessions, blocks, now)
-        sessions = [s for s in sessions if key_of(s) not in held]
-        if not sessions:
+        held: set[SessionKey] = set()
+        if es.tier is not None:
+            held = await self.tiers.tick(es, list(d.sessions.values()), blocks, now)
+        held &= d.sessions.keys()
+        if len(held) == len(d.sessions):
             return
-        kept = self._budget(es, sessions, blocks, now)
-        self._touch(es, [s for s in sessions if key_of(s) in kept], blocks, horizon, now)
+        kept = self._budget(es, d, held, now)
+        if self.guards is None or self.guards.allows(es.name, now):
+            self._touch(es, self._due(es, d, held, kept, horizon, now), d.blocks, horizon, now)
         if es.lost:  # forget the losses of sessions no longer protected here
-            live = {key_of(s) for s in sessions}
-            es.lost = {k: v for k, v in es.lost.items() if k in live}
+            es.lost = {k: v for k, v in es.lost.items() if k in d.sessions and k not in held}
         self.metrics.overhead_credit.labels(es.name).set(es.signals.overhead.credit)
+
+    def _due(
+        self,
+        es: EngineState,
+        d: Driven,
+        held: set[SessionKey],
+        kept: set[SessionKey] | None,
+        horizon: float,
+        now: float,
+    ) -> list[Session]:
+        """The sessions ``_touch`` can pick this tick: those due (by time, or passed by the
+        allocation front: a prefix of the due order) and those with a touch in flight (they
+        take its slots), kept by the budget and not held by the tier. Only these are read."""
+        interval = touch_interval(horizon, self._keepalive)
+        signals, limit = es.signals, math.inf
+        if signals.load is not None and signals.has_events:
+            limit = SAFETY_FRACTION * signals.load.free_blocks
+
+        def due(last_active: float) -> bool:
+            return (
+                now >= last_active + interval or signals.tap.allocated_since(last_active) >= limit
+            )
+
+        keys = {*d.order.due(due), *(k for k in es.in_flight if k in d.sessions)}
+        return [d.sessions[k] for k in keys if k not in held and (kept is None or k in kept)]
 
     def _touch(
         self,
@@ -306,21 +344,26 @@ class Retention:
             self.touches.spawn_session(es, session, reserved)
 
     def _budget(
-        self,
-        es: EngineState,
-        sessions: list[Session],
-        blocks: dict[SessionKey, tuple[int, ...]],
-        now: float,
-    ) -> set[SessionKey]:
-        """Sessions whose protection fits the soft-TTL budget; the rest lapse (pressure_override)."""
-        everyone = {key_of(s) for s in sessions}
+        self, es: EngineState, d: Driven, held: set[SessionKey], now: float
+    ) -> set[SessionKey] | None:
+        """Sessions whose protection fits the soft-TTL budget (None: all of them); the rest
+        lapse (pressure_override). When every block of every session fits, all fit: no sort."""
         load = es.signals.load
         if load is None:
-            return everyone
+            return None
+        config = BudgetConfig(share=self.settings.budget_share)
+        if not held and len(d.refs) <= effective_budget(load, config)[0]:
+            es.overridden = set()
+            self.metrics.protected_sessions.labels(es.name).set(len(d.sessions))
+            self.metrics.protected_blocks.labels(es.name).set(len(d.refs))
+            return None
+        sessions = [s for k, s in d.sessions.items() if k not in held]
+        everyone = {key_of(s) for s in sessions}
+        blocks = d.blocks
         decision = plan_budget(
             [BudgetSession(key_of(s), blocks[key_of(s)], _value(s, blocks, now)) for s in sessions],
             load,
-            BudgetConfig(share=self.settings.budget_share),
+            config,
         )
         overridden = {SessionKey(*k) for k in decision.pressure_override}
         for key in overridden - es.overridden:

@@ -15,6 +15,7 @@ from proxy.store_model import BRIEF, SEP, Session, as_text, brief_session
 FEED_PAGE = 2000  # changed sessions read per call (a tick reads at most this many)
 FEED_MAX = 500_000  # feed entries kept (one per session changed); older ones trimmed
 LOAD_PAGE = 1000  # protected sessions per call when the mirror is (re)loaded
+CHANGE_LOG_MAX = 200_000  # mirror changes kept for changed_since() readers
 
 
 class ProtectedMirror(StoreBase):
@@ -33,6 +34,10 @@ class ProtectedMirror(StoreBase):
         self._order = itertools.count()
         self._listed: list[Session] | None = None  # the answer, until the mirror changes
         self.mirror_loads = 0  # full (re)loads, for tests and benchmarks
+        # keys changed in the mirror, in order, so a reader can follow it without a full walk:
+        # entry i of the log is change number ``_log_base + i``
+        self._log: list[tuple[str, str]] = []
+        self._log_base = 0
 
     async def protected(self, now: float) -> list[Session]:
         """Every session whose TTL deadline is still ahead, across tenants.
@@ -53,13 +58,31 @@ class ProtectedMirror(StoreBase):
             if mirror.get(key) is session:
                 del mirror[key]
                 self._listed = None
+                self._log.append(key)
         if self._listed is None:
             self._listed = list(mirror.values())
         return self._listed
 
+    def changed_since(self, mark: int) -> tuple[int, list[tuple[str, str]] | None]:
+        """The keys the mirror changed (set, replaced or dropped) since ``mark`` (a value this
+        returned before), and the new mark; None instead of keys: start over from
+        ``protected()`` (first call, a reload, or too far behind). Call after ``protected()``."""
+        end = self._log_base + len(self._log)
+        if mark < self._log_base:
+            return end, None
+        return end, self._log[mark - self._log_base :]
+
+    def mirrored(self, key: tuple[str, str]) -> Session | None:
+        """The protected session ``key`` as the mirror holds it (None: not protected)."""
+        return self._mirror.get(key)
+
     def _mirror_set(self, key: tuple[str, str], session: Session | None) -> None:
         """Record a session read from Redis (None: gone) in the mirror."""
         self._listed = None
+        self._log.append(key)
+        if len(self._log) > CHANGE_LOG_MAX:  # readers that far behind start over
+            self._log_base += len(self._log)
+            self._log = []
         if session is None:
             self._mirror.pop(key, None)
             return
@@ -142,4 +165,6 @@ class ProtectedMirror(StoreBase):
         self._mirror, self._cursors[shard] = mirror, seq
         self._heapify()
         self._listed = None
+        self._log_base += len(self._log) + 1  # a reload: every reader starts over
+        self._log = []
         self.mirror_loads += 1

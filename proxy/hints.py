@@ -19,87 +19,27 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
 from proxy import jsonio
 from proxy.errors import BadRequest
 from proxy.hint_bytes import split_last_agent_hint
-from proxy.hint_schema import RFC_MAX_TTL, AgentHintParams, EditType
+from proxy.hint_model import (
+    ANTHROPIC_MAX_BREAKPOINTS,
+    ANTHROPIC_TTLS,
+    LONG_RETENTION_S,
+    Edit,
+    Hint,
+    ParsedRequest,
+    Retention,
+    check_id,
+    invalid_hint,
+    pydantic_message,
+)
+from proxy.hint_schema import RFC_MAX_TTL, AgentHintParams
 from proxy.settings import Limits
-
-LONG_RETENTION_S = 24 * 3600.0  # prompt_cache_retention "24h"
-ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
-ANTHROPIC_MAX_BREAKPOINTS = 4
-Retention = Literal["default", "extended"]
-
-
-# --- the one value every dialect maps to ------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Edit:
-    type: EditType
-    block_start: int | None = None
-    block_end: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Hint:
-    """What the client told kvkeeper about this request, whatever dialect it used."""
-
-    session_id: str
-    parent_session_id: str | None = None
-    agent_name: str | None = None
-    ttl_s: float | None = None  # None: no protection asked; 0: stop protecting
-    block_offset: int | None = None
-    retention: Retention = "default"
-    # retention asked for beyond the GPU's cap (limits.max_ttl_s), up to limits.max_retain_s:
-    # kept in the engine's offload tier (proxy/longterm.py)
-    retain_s: float | None = None
-    manage_request: bool = False
-    edits: tuple[Edit, ...] = ()
-    dialects: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())  # e.g. "ttl_capped"
-    # Anthropic: the last cache_control breakpoint, (section, index), bounding the protected prefix
-    breakpoint: tuple[str, int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
-    """A request after hint extraction: the hint (or None) and the bytes to send upstream."""
-
-    hint: Hint | None
-    body: bytes
-    json_body: dict[str, Any] | None  # parsed body when it had to be parsed, else None
-
-
-def _fail(message: str, param: str) -> BadRequest:
-    return BadRequest(message, param=param, code="invalid_hint")
-
-
-def _check_id(value: Any, param: str, limits: Limits) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _fail(f"{param} must be a non-empty string", param)
-    if len(value) > limits.max_session_id_len:
-        raise _fail(f"{param} is longer than {limits.max_session_id_len} characters", param)
-    if value.isascii() and value.isprintable():  # most ids: no control characters, UTF-8
-        return value
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise _fail(f"{param} must not contain control characters", param)
-    try:  # a lone surrogate ("\\ud800" in JSON, undecodable header bytes) has no UTF-8 form
-        value.encode()
-    except UnicodeEncodeError:
-        raise _fail(f"{param} must be valid UTF-8 text", param) from None
-    return value
-
-
-def _pydantic_message(exc: ValidationError, prefix: str) -> tuple[str, str]:
-    first = exc.errors()[0]
-    loc = ".".join(str(p) for p in (prefix, *first["loc"]))
-    msg = first["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-    return f"{loc}: {msg}", loc
 
 
 @dataclass(slots=True)
@@ -120,15 +60,17 @@ class _Draft:
     breakpoint: tuple[str, int] | None = None
 
     def set_session(self, value: Any, param: str) -> None:
-        sid = _check_id(value, param, self.limits)
+        sid = check_id(value, param, self.limits)
         if self.session_id is not None and self.session_id != sid:
-            raise _fail(f"{param} conflicts with the session id given by another hint", param)
+            raise invalid_hint(
+                f"{param} conflicts with the session id given by another hint", param
+            )
         self.session_id = sid
 
     def set_parent(self, value: Any, param: str) -> None:
-        pid = _check_id(value, param, self.limits)
+        pid = check_id(value, param, self.limits)
         if self.parent is not None and self.parent != pid:
-            raise _fail(f"{param} conflicts with the parent id given by another hint", param)
+            raise invalid_hint(f"{param} conflicts with the parent id given by another hint", param)
         self.parent = pid
 
     def set_ttl(self, ttl: float, param: str) -> None:
@@ -140,22 +82,22 @@ class _Draft:
             return None
         if self.session_id is None:
             if self.ttl is not None or self.edits or self.manage or self.parent:
-                raise _fail(
+                raise invalid_hint(
                     "a session id is required for cache_control, parent links and edits "
                     "(agent_hint.session_id, X-Session-Id or prompt_cache_key)",
                     "agent_hint.session_id",
                 )
             return None  # e.g. only X-Agent-Name: nothing to track
         if self.parent == self.session_id:
-            raise _fail(
+            raise invalid_hint(
                 "parent_session_id must differ from session_id", "agent_hint.parent_session_id"
             )
         if self.manage and not self.edits:
-            raise _fail(
+            raise invalid_hint(
                 "manage_request needs at least one edit", "agent_hint.context_management.edits"
             )
         if len(self.edits) > self.limits.max_edits:
-            raise _fail(
+            raise invalid_hint(
                 f"at most {self.limits.max_edits} edits per request",
                 "agent_hint.context_management.edits",
             )
@@ -207,7 +149,7 @@ def _plain_hint(raw: dict[str, Any]) -> tuple[str | None, str | None, float | No
 
 def _agent_hint(draft: _Draft, raw: Any) -> None:
     if not isinstance(raw, dict):
-        raise _fail("agent_hint must be an object", "agent_hint")
+        raise invalid_hint("agent_hint must be an object", "agent_hint")
     if (plain := _plain_hint(raw)) is not None:  # most hints: no pydantic on the hot path
         sid, pid, ttl = plain
         draft.dialects.append("agent_hint")
@@ -221,8 +163,8 @@ def _agent_hint(draft: _Draft, raw: Any) -> None:
     try:
         params = AgentHintParams.model_validate(raw)
     except ValidationError as exc:
-        msg, loc = _pydantic_message(exc, "agent_hint")
-        raise _fail(msg, loc) from exc
+        msg, loc = pydantic_message(exc, "agent_hint")
+        raise invalid_hint(msg, loc) from exc
     draft.dialects.append("agent_hint")
     if params.session_id is not None:
         draft.set_session(params.session_id, "agent_hint.session_id")
@@ -247,15 +189,17 @@ def _headers(draft: _Draft, headers: Mapping[str, str]) -> None:
         draft.set_parent(pid, "X-Parent-Session-Id")
         used = True
     if (agent := headers.get("X-Agent-Name")) is not None:
-        draft.agent = _check_id(agent, "X-Agent-Name", draft.limits)
+        draft.agent = check_id(agent, "X-Agent-Name", draft.limits)
         used = True
     if (ttl_raw := headers.get("X-Cache-TTL")) is not None:
         try:
             ttl = float(ttl_raw)
         except ValueError:
-            raise _fail("X-Cache-TTL must be a number of seconds", "X-Cache-TTL") from None
+            raise invalid_hint("X-Cache-TTL must be a number of seconds", "X-Cache-TTL") from None
         if not math.isfinite(ttl) or not 0 <= ttl <= RFC_MAX_TTL:
-            raise _fail(f"X-Cache-TTL must be between 0 and {RFC_MAX_TTL:g} seconds", "X-Cache-TTL")
+            raise invalid_hint(
+                f"X-Cache-TTL must be between 0 and {RFC_MAX_TTL:g} seconds", "X-Cache-TTL"
+            )
         draft.set_ttl(ttl, "X-Cache-TTL")
         used = True
     if used:
@@ -272,7 +216,7 @@ def _openai(draft: _Draft, body: dict[str, Any]) -> None:
         draft.set_session(key, "prompt_cache_key")
     if retention is not None:
         if retention not in ("in_memory", "24h"):
-            raise _fail(
+            raise invalid_hint(
                 'prompt_cache_retention must be "in_memory" or "24h"', "prompt_cache_retention"
             )
         draft.set_ttl(
@@ -301,13 +245,13 @@ def _strip_block_cache_control(
 def _anthropic_ttl(cc: Any, section: str) -> float:
     param = f"{section}.cache_control"
     if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
-        raise _fail('cache_control must be {"type": "ephemeral"}', param)
+        raise invalid_hint('cache_control must be {"type": "ephemeral"}', param)
     unknown = set(cc) - {"type", "ttl"}
     if unknown:
-        raise _fail(f"cache_control has unknown fields: {sorted(unknown)}", param)
+        raise invalid_hint(f"cache_control has unknown fields: {sorted(unknown)}", param)
     ttl = cc.get("ttl", "5m")
     if ttl not in ANTHROPIC_TTLS:
-        raise _fail('cache_control.ttl must be "5m" or "1h"', param)
+        raise invalid_hint('cache_control.ttl must be "5m" or "1h"', param)
     return ANTHROPIC_TTLS[ttl]
 
 
@@ -320,7 +264,7 @@ def _anthropic(draft: _Draft, body: dict[str, Any]) -> None:
     if not found:
         return
     if len(found) > ANTHROPIC_MAX_BREAKPOINTS:
-        raise _fail(
+        raise invalid_hint(
             f"at most {ANTHROPIC_MAX_BREAKPOINTS} cache_control breakpoints are allowed",
             "cache_control",
         )
@@ -349,7 +293,7 @@ _AGENT_HINT_ONLY = ("agent_hint",)
 
 
 def _simple_id(value: str, limits: Limits) -> bool:
-    """An id ``_check_id`` accepts as it is, checked the quick way (printable ASCII)."""
+    """An id ``check_id`` accepts as it is, checked the quick way (printable ASCII)."""
     return (
         value.isascii()
         and value.isprintable()

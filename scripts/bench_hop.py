@@ -7,8 +7,8 @@ One simulator (``h100-llama8b``, 151 blocks of 16 tokens, KV events on, as
 * ``direct``: the client straight to the simulator;
 * ``floor``: the barest streaming pass-through the mandated stack allows (``loadgen.floor``:
   aiohttp on uvloop, the body posted upstream and the answer's chunks relayed as they come);
-* ``none``: ``kvkeeper serve`` with its defaults (Redis, KV events, retention), no hints;
-* ``hinted``: the same kvkeeper, each request with an ``agent_hint`` session (and a TTL).
+* ``none``: ``kvkeeper serve`` with its defaults (its own Redis, KV events, retention), no hints;
+* ``hinted``: another such kvkeeper, each request with an ``agent_hint`` session (and a TTL).
 
 Each round sends one streamed chat request to every target, in a shuffled order, one at a
 time (``--concurrency`` > 1 runs that many such streams side by side), each with a prompt the
@@ -152,7 +152,6 @@ async def main(args: argparse.Namespace) -> None:
     targets: dict[str, str] = {}
     pids: dict[str, int] = {}
     async with contextlib.AsyncExitStack() as stack:
-        redis_url = await stack.enter_async_context(start_redis(logs))
         for name, kind in kinds.items():  # each target its own simulator (and KV events)
             sims = await stack.enter_async_context(start_sims(sim, 1))
             if kind == "direct":
@@ -161,6 +160,7 @@ async def main(args: argparse.Namespace) -> None:
                 targets[name] = await stack.enter_async_context(start_floor(sims[0].url, logs))
             else:
                 tree, settings = variants[name]
+                redis_url = await stack.enter_async_context(start_redis(logs))  # its own
                 with _pythonpath(tree):
                     targets[name] = await stack.enter_async_context(
                         start_kvkeeper(

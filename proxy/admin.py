@@ -161,7 +161,7 @@ async def session_operation(
     request: web.Request, rt: Runtime, store: SessionStore, principal: Principal
 ) -> web.Response:
     """``POST /admin/sessions/{id}/{pin|offload|prefetch|evict}`` with optional block range."""
-    from proxy.hints import Edit
+    from proxy.hint_model import Edit
     from proxy.operations import SessionOps
 
     op = request.match_info["op"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from proxy.hints import Edit
+from proxy.hint_model import Edit
 
 EditStatus = Literal["applied", "unsupported", "rejected", "failed"]
 

@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.hints import Hint
-from proxy.store import SessionStore, StoreDown, StoreRejected, Template, Upserted
+from proxy.hint_model import Hint
+from proxy.store import SessionStore, StoreDown, StoreRejected, Upserted
+from proxy.store_writes import Template
 
 log = logging.getLogger("kvkeeper.known")
 

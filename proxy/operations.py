@@ -24,7 +24,7 @@ from policy.prefix_index import common_prefix
 from proxy.context import decode_context
 from proxy.edits import EditResult
 from proxy.engine_state import EngineState
-from proxy.hints import Edit
+from proxy.hint_model import Edit
 from proxy.keys import SessionKey
 from proxy.longterm import LongRetention
 from proxy.metrics import Metrics

@@ -14,7 +14,8 @@ from proxy.admin_models import EditOutcome, Health, ManagementResult, Readiness
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable
 from proxy.forward import HINT_HEADER, Outbound, forward
-from proxy.hints import Hint, parse_request
+from proxy.hint_model import Hint
+from proxy.hints import parse_request
 from proxy.keys import SessionKey
 from proxy.passthrough import previous_response_id, remember_response, response_engine
 from proxy.relay import engine_visible

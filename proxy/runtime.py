@@ -16,7 +16,7 @@ from aiohttp import web
 from policy import ReturnWindow, ReturnWindowConfig
 from proxy.auth import TenantMap
 from proxy.edits import EditExecutor, UnsupportedEdits
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.metrics import Metrics
 from proxy.placement import Placer
 from proxy.settings import Settings

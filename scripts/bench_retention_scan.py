@@ -27,7 +27,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from loadgen.stack import start_redis
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.settings import Limits
 from proxy.store import BRIEF, SessionStore
 

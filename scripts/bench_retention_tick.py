@@ -36,7 +36,7 @@ async def _measure(url: str, n: int, due: int, ticks: int) -> dict[str, Any]:
     from adapters.base import CacheConfig
     from proxy.completions import CompletionWriter
     from proxy.engine_state import EngineState
-    from proxy.hints import Hint
+    from proxy.hint_model import Hint
     from proxy.metrics import Metrics
     from proxy.retention import Retention
     from proxy.settings import EngineSpec, Limits, RetentionSettings, TierSettings

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 import proxy.app
 from proxy.completions import CompletionWriter
 from proxy.context import decode_context
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.runtime import RUNTIME
 from proxy.settings import Limits
 from proxy.store import SessionStore, Usage

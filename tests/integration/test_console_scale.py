@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 import proxy.app
 from proxy.console_models import ForestPage
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.runtime import RUNTIME
 from tests.helpers.redis_server import RedisServer
 from tests.integration.console_fixtures import browser

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any
 
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.known import KnownSessions
 from proxy.runtime import RUNTIME, Runtime
 from proxy.store import StoreRejected, Upserted

@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 
 from proxy import hints
 from proxy.errors import BadRequest
+from proxy.hint_model import Hint
 from proxy.hint_schema import AgentHintParams
 from proxy.hints import _plain_hint
 from proxy.settings import Limits
@@ -112,5 +113,5 @@ def test_common_hint_parses_as_the_draft_does(
 def test_common_hint_takes_the_plain_agent_hint() -> None:
     body = {**BODY, "agent_hint": {"session_id": "s1", "cache_control": {"ttl": 300}}}
     hint = hints._common_hint("/v1/chat/completions", CIMultiDict(), body, Limits())
-    assert hint == hints.Hint("s1", ttl_s=300.0, dialects=("agent_hint",))
+    assert hint == Hint("s1", ttl_s=300.0, dialects=("agent_hint",))
     assert body == BODY  # the member removed

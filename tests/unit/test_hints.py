@@ -9,7 +9,8 @@ import pytest
 
 from proxy import jsonio
 from proxy.errors import BadRequest
-from proxy.hints import Edit, parse_request
+from proxy.hint_model import Edit
+from proxy.hints import parse_request
 from proxy.settings import Limits
 
 LIMITS = Limits()

@@ -7,9 +7,10 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.batching import Arg, _bulk, pack_tail
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.settings import Limits
-from proxy.store import UPSERT_ARGS, UPSERT_KEYS, SessionStore, Usage
+from proxy.store import SessionStore, Usage
+from proxy.store_writes import UPSERT_ARGS, UPSERT_KEYS
 
 KEYS: list[Arg] = ["kvk:s:t:sess1", "kvk:idx:t", "", "kvk:ch:t:sess1"]
 

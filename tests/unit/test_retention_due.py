@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from adapters.base import CacheConfig
 from proxy.completions import CompletionWriter
 from proxy.engine_state import EngineState
-from proxy.hints import Hint
+from proxy.hint_model import Hint
 from proxy.metrics import Metrics
 from proxy.retention import Retention
 from proxy.settings import EngineSpec, Limits, RetentionSettings, TierSettings

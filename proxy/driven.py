@@ -34,14 +34,13 @@ class Driven:
         """Sessions the last tick looked at: changes applied, ids re-learned, due order walked."""
         return self.applied + self.learned + self.order.examined
 
-    async def sync(
-        self, store: SessionStore, listed: list[Session], drives: Callable[[Session], bool]
-    ) -> None:
-        """Apply the mirror's changes since the last sync (all of ``listed`` the first time)."""
+    def sync(self, store: SessionStore, drives: Callable[[Session], bool]) -> None:
+        """Apply the mirror's changes since the last sync (all of it the first time)."""
         self.mark, changed = store.changed_since(self.mark)
         if changed is None:
             for key in list(self.sessions):
                 self.drop(key)
+            listed = store.mirrored_all()
             for s in listed:
                 self._put(SessionKey(s.tenant, s.session_id), s, drives)
             self.applied = len(listed)

@@ -247,7 +247,8 @@ class Retention:
         horizon = es.signals.horizon(now)
         self.metrics.child(self.metrics.horizon, es.name).set(horizon)
         d = self._driven.setdefault(es.name, Driven())
-        await d.sync(self.store, await self.store.protected(now), lambda s: self._drives(es, s))
+        await self.store.refresh_protected(now)
+        d.sync(self.store, lambda s: self._drives(es, s))
         d.learned = len(d.stale)
         for key in list(d.stale):  # changed, or ids not learned yet
             # the loop is the data plane's too: requests waiting for it wait for one session's

@@ -50,6 +50,14 @@ class ProtectedMirror(StoreBase):
         Reloaded when the feed shows a gap (Redis lost data, or this replica fell behind the
         trimmed part). Callers share one refresh.
         """
+        await self.refresh_protected(now)
+        if self._listed is None:
+            self._listed = list(self._mirror.values())
+        return self._listed
+
+    async def refresh_protected(self, now: float) -> None:
+        """Bring the mirror up to date as ``protected()`` does, without listing it (readers of
+        ``changed_since``)."""
         async with self._mirror_lock:
             await self._refresh()
         heap, mirror = self._deadlines, self._mirror
@@ -59,18 +67,20 @@ class ProtectedMirror(StoreBase):
                 del mirror[key]
                 self._listed = None
                 self._log.append(key)
-        if self._listed is None:
-            self._listed = list(mirror.values())
-        return self._listed
 
     def changed_since(self, mark: int) -> tuple[int, list[tuple[str, str]] | None]:
         """The keys the mirror changed (set, replaced or dropped) since ``mark`` (a value this
         returned before), and the new mark; None instead of keys: start over from
-        ``protected()`` (first call, a reload, or too far behind). Call after ``protected()``."""
+        ``mirrored_all()`` (first call, a reload, or too far behind). Call after
+        ``refresh_protected()`` (or ``protected()``)."""
         end = self._log_base + len(self._log)
         if mark < self._log_base:
             return end, None
         return end, self._log[mark - self._log_base :]
+
+    def mirrored_all(self) -> list[Session]:
+        """Every session the mirror holds (after ``refresh_protected``)."""
+        return list(self._mirror.values())
 
     def mirrored(self, key: tuple[str, str]) -> Session | None:
         """The protected session ``key`` as the mirror holds it (None: not protected)."""

@@ -49,6 +49,8 @@ async def _tick_work(redis: Redis, namespace: str, idle: int) -> tuple[list[int]
     )
     await es.signals.connect(discover_cache=True)
     es.signals.subscribe()  # as the lease holder does
+    # one eviction seen at 600 s: the horizon (touch every 300 s) whatever the pool's size
+    es.signals.estimator.observe_eviction(600.0, time.time())
     now = time.time()
     writer = CompletionWriter(store)
     for start in range(0, idle + 3, 500):

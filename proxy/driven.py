@@ -8,10 +8,12 @@ the changed and due sessions, not all protected ones.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from policy.due import DueOrder
+from proxy.block_cache import BlockCache
 from proxy.keys import SessionKey
 from proxy.store import Session, SessionStore
 
@@ -34,8 +36,12 @@ class Driven:
         """Sessions the last tick looked at: changes applied, ids re-learned, due order walked."""
         return self.applied + self.learned + self.order.examined
 
-    def sync(self, store: SessionStore, drives: Callable[[Session], bool]) -> None:
-        """Apply the mirror's changes since the last sync (all of it the first time)."""
+    async def sync(
+        self, store: SessionStore, now: float, drives: Callable[[Session], bool]
+    ) -> None:
+        """Bring the store's mirror up to date (as of ``now``), then apply its changes since
+        the last sync (all of it the first time)."""
+        await store.refresh_protected(now)
         self.mark, changed = store.changed_since(self.mark)
         if changed is None:
             for key in list(self.sessions):
@@ -63,6 +69,11 @@ class Driven:
         self.order.set(key, s.last_active)
         self.stale.add(key)
 
+    def relearn(self, key: SessionKey) -> None:
+        """The block cache forgot the session's ids: learn them again."""
+        if key in self.sessions:
+            self.stale.add(key)
+
     def drop(self, key: SessionKey) -> None:
         if self.sessions.pop(key, None) is not None:
             self.set_blocks(key, ())
@@ -81,3 +92,38 @@ class Driven:
                 del self.refs[b]
         self.refs.update(blocks)
         self.blocks[key] = blocks
+
+    async def learn(self, cache: BlockCache, active_s: float) -> None:
+        """Block ids of the stale sessions (changed, or not learned yet); current ones leave."""
+        self.learned = len(self.stale)
+        for key in list(self.stale):
+            # the loop is the data plane's too: requests waiting for it wait for one session's
+            # block ids (a context decoded and hashed), not for the whole tick
+            await asyncio.sleep(0)
+            s = self.sessions.get(key)
+            if s is None:
+                continue
+            self.set_blocks(key, await cache.blocks_of(key, s, active_s=active_s))
+            if cache.current(key, s.last_used):
+                self.stale.discard(key)
+
+    def due(
+        self,
+        in_flight: Collection[SessionKey],
+        held: set[SessionKey],
+        kept: set[SessionKey] | None,
+        interval: float,
+        front: Callable[[float], int],
+        limit: float,
+        now: float,
+    ) -> list[Session]:
+        """The sessions a touch can be picked from this tick: those due by time (``interval``
+        since their last use) or passed by the allocation front (``front``: blocks stored since
+        a time, at least ``limit``), a prefix of the due order, and those with a touch in
+        flight (they take its slots); kept by the budget, not held by the tier."""
+
+        def due(last_active: float) -> bool:
+            return now >= last_active + interval or front(last_active) >= limit
+
+        keys = {*self.order.due(due), *(k for k in in_flight if k in self.sessions)}
+        return [self.sessions[k] for k in keys if k not in held and (kept is None or k in kept)]

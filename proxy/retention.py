@@ -190,9 +190,8 @@ class Retention:
 
     def forget(self, key: SessionKey) -> None:
         self.blocks.forget(key)
-        for d in self._driven.values():  # its block ids are to be learned again
-            if key in d.sessions:
-                d.stale.add(key)
+        for d in self._driven.values():
+            d.relearn(key)
         if self.guards is not None:
             self.guards.forget(key)
 
@@ -247,59 +246,26 @@ class Retention:
         horizon = es.signals.horizon(now)
         self.metrics.child(self.metrics.horizon, es.name).set(horizon)
         d = self._driven.setdefault(es.name, Driven())
-        await self.store.refresh_protected(now)
-        d.sync(self.store, lambda s: self._drives(es, s))
-        d.learned = len(d.stale)
-        for key in list(d.stale):  # changed, or ids not learned yet
-            # the loop is the data plane's too: requests waiting for it wait for one session's
-            # block ids (a context decoded and hashed), not for the whole tick
-            await asyncio.sleep(0)
-            s = d.sessions.get(key)
-            if s is None:
-                continue
-            d.set_blocks(key, await self.blocks.blocks_of(key, s, active_s=RELEARN_IDLE_S))
-            if self.blocks.current(key, s.last_used):
-                d.stale.discard(key)
-        blocks = d.blocks
+        await d.sync(self.store, now, lambda s: self._drives(es, s))
+        await d.learn(self.blocks, RELEARN_IDLE_S)
         # sessions the offload tier holds resume by a load, not a re-prefill: no touches (and
         # the pins of sessions no longer protected are released, so this runs with none too)
         held: set[SessionKey] = set()
         if es.tier is not None:
-            held = await self.tiers.tick(es, list(d.sessions.values()), blocks, now)
+            held = await self.tiers.tick(es, list(d.sessions.values()), d.blocks, now)
         held &= d.sessions.keys()
         if len(held) == len(d.sessions):
             return
         kept = self._budget(es, d, held, now)
         if self.guards is None or self.guards.allows(es.name, now):
-            self._touch(es, self._due(es, d, held, kept, horizon, now), d.blocks, horizon, now)
+            signals = es.signals  # passed by the allocation front: as in _urgent (inf: never)
+            free = signals.load.free_blocks if signals.load and signals.has_events else math.inf
+            interval, limit = touch_interval(horizon, self._keepalive), SAFETY_FRACTION * free
+            due = d.due(es.in_flight, held, kept, interval, signals.tap.allocated_since, limit, now)
+            self._touch(es, due, d.blocks, horizon, now)
         if es.lost:  # forget the losses of sessions no longer protected here
             es.lost = {k: v for k, v in es.lost.items() if k in d.sessions and k not in held}
         self.metrics.overhead_credit.labels(es.name).set(es.signals.overhead.credit)
-
-    def _due(
-        self,
-        es: EngineState,
-        d: Driven,
-        held: set[SessionKey],
-        kept: set[SessionKey] | None,
-        horizon: float,
-        now: float,
-    ) -> list[Session]:
-        """The sessions ``_touch`` can pick this tick: those due (by time, or passed by the
-        allocation front: a prefix of the due order) and those with a touch in flight (they
-        take its slots), kept by the budget and not held by the tier. Only these are read."""
-        interval = touch_interval(horizon, self._keepalive)
-        signals, limit = es.signals, math.inf
-        if signals.load is not None and signals.has_events:
-            limit = SAFETY_FRACTION * signals.load.free_blocks
-
-        def due(last_active: float) -> bool:
-            return (
-                now >= last_active + interval or signals.tap.allocated_since(last_active) >= limit
-            )
-
-        keys = {*d.order.due(due), *(k for k in es.in_flight if k in d.sessions)}
-        return [d.sessions[k] for k in keys if k not in held and (kept is None or k in kept)]
 
     def _touch(
         self,
@@ -359,8 +325,7 @@ class Retention:
             self.metrics.protected_blocks.labels(es.name).set(len(d.refs))
             return None
         sessions = [s for k, s in d.sessions.items() if k not in held]
-        everyone = {key_of(s) for s in sessions}
-        blocks = d.blocks
+        everyone, blocks = {key_of(s) for s in sessions}, d.blocks
         decision = plan_budget(
             [BudgetSession(key_of(s), blocks[key_of(s)], _value(s, blocks, now)) for s in sessions],
             load,

@@ -216,6 +216,24 @@ async def test_full_hints_on_fanout(engine: tuple[FakeEngine, str]) -> None:
     assert min(r.cached_tokens for r in res.requests if r.parent_id and r.turn == 0) > 0
 
 
+async def test_a_client_that_never_knows_a_session_ended_sends_no_evict(
+    engine: tuple[FakeEngine, str],
+) -> None:
+    """``end_evict=False`` (bench compare --no-end-evict): the same calls and hints, no evict."""
+    eng, url = engine
+    params = {"jobs": 1, "workers": 2, "build_turns": 1, "worker_turns": 2, "join_turns": 1,
+              "token_scale": 0.01, "pause_min": 0.05, "pause_cap": 0.2}  # fmt: skip
+    hints = HintPolicy("full", prefetch_lead=0.02, min_prefetch_pause=0.03, end_evict=False)
+    res = await run_workload(
+        build_workload("fanout", params), Target(url, "m", hints), RunOptions(progress=False)
+    )
+    assert len(res.requests) == 1 + 2 * 2 + 1 and not any(r.error for r in res.requests)
+    assert len({b["agent_hint"]["session_id"] for b in eng.bodies}) == 3
+    edits = [m["agent_hint"]["context_management"]["edits"][0]["type"] for m in eng.manages]
+    assert "evict" not in edits
+    assert "evict:applied" not in summarize(res)["manage"]
+
+
 async def test_trace_replay_sends_token_ids_and_waits_for_subagents(
     engine: tuple[FakeEngine, str],
 ) -> None:

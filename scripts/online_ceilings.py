@@ -359,6 +359,17 @@ def oracle_which(s: ConvState, now: float) -> float:
 
 
 # --- replay --------------------------------------------------------------------------------------
+def _release(t: Turn, holds: list[int], ref: dict[int, int], ev: Evictor, now: float) -> None:
+    """A finished turn drops its references; blocks nobody else holds go to the evictor."""
+    for pos in reversed(holds):
+        b = t.keys[pos]
+        if ref[b] > 1:
+            ref[b] -= 1
+        else:
+            del ref[b]
+            ev.release(b, pos, t, now)
+
+
 def simulate(turns: Sequence[Turn], capacity: int, ev: Evictor) -> int:
     """Prefix-hit blocks of the replay (same rules as ``loadgen.ceiling.simulate``)."""
     events = sorted([(t.arrival, 1, t.seq) for t in turns] + [(t.finish, 0, t.seq) for t in turns])
@@ -368,13 +379,7 @@ def simulate(turns: Sequence[Turn], capacity: int, ev: Evictor) -> int:
     for now, kind, seq in events:
         t = turns[seq]
         if kind == 0:
-            for pos in reversed(held.pop(seq)):
-                b = t.keys[pos]
-                if ref[b] > 1:
-                    ref[b] -= 1
-                else:
-                    del ref[b]
-                    ev.release(b, pos, t, now)
+            _release(t, held.pop(seq), ref, ev, now)
             continue
         ev.observe(t)
         holds: list[int] = []
@@ -578,13 +583,7 @@ def simulate_kept(
             last_turn[t.conv] = t
             kept_since[t.conv] = now
             tail_tokens += (t.tokens - block * len(t.keys)) or block
-            for pos in reversed(held.pop(seq)):
-                b = t.keys[pos]
-                if ref[b] > 1:
-                    ref[b] -= 1
-                else:
-                    del ref[b]
-                    ev.release(b, pos, t, now)
+            _release(t, held.pop(seq), ref, ev, now)
             continue
         for b in [b for b, (c, _) in pinned.items() if c == t.conv]:
             del pinned[b]

@@ -30,7 +30,7 @@ import aiohttp
 import yaml
 
 from loadgen.sim.server import SimConfig, SimEndpoints, run_simulator_process
-from proxy.children import die_with_parent
+from proxy.children import tied_to_parent
 from proxy.embedded import redis_server_binary
 
 ROUTER_ENV = "KVKEEPER_VLLM_ROUTER"  # a vllm-router executable that is not on PATH
@@ -72,12 +72,11 @@ async def _process(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         proc = await asyncio.create_subprocess_exec(
-            *argv,
+            *tied_to_parent(argv),  # killed with us, even if we are killed
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=die_with_parent(),  # killed with us, even if we are killed
         )
     try:
         yield proc

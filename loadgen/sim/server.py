@@ -37,7 +37,7 @@ from loadgen.sim.exposition import EngineCollector
 from loadgen.sim.lmcache_api import ADDRESS, create_lmcache_app
 from loadgen.sim.profiles import get_profile
 from loadgen.sim.tokenizer import SimTokenizer
-from proxy.children import die_with_parent
+from proxy.children import tied_to_parent
 
 REPLY_TEXT = (
     " This is a simulated answer from the kvkeeper engine simulator, which models a KV cache"
@@ -250,11 +250,10 @@ async def run_simulator_process(
     config: SimConfig, *, startup_timeout: float = 30.0
 ) -> AsyncIterator[SimEndpoints]:
     """Start ``kvkeeper sim`` as a child process (own event loop); stop it on exit."""
+    argv = [sys.executable, "-m", "proxy.cli", "sim", *config_argv(config)]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "sim", *config_argv(config),
-        stdout=asyncio.subprocess.PIPE,
-        preexec_fn=die_with_parent(),
-    )  # fmt: skip
+        *tied_to_parent(argv), stdout=asyncio.subprocess.PIPE
+    )
     try:
         info = await asyncio.wait_for(_read_ready(proc), startup_timeout)
         yield SimEndpoints(**info)

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvkeeper.runtime")
 
 MAX_RETURNED = 100_000  # sessions remembered as having returned (their pauses no longer sampled)
+# a returning session is protected again once less than this share of its window is left
+PROTECT_AGAIN_FRACTION = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,8 @@ class Runtime:
     placer: Placer = field(init=False)
     prefix_share: PrefixShare | None = None  # the placer's prefix index shared with replicas
     returns: ReturnWindow | None = None  # protection of sessions returning without a TTL
-    _returned: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
+    # sessions seen returning: the protection deadline this process last set (0: none)
+    _returned: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
     started: float = field(default_factory=time.time)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -138,31 +141,47 @@ class Runtime:
 
     def _protect_return(self, tenant: str, hint: Hint, up: Upserted) -> None:
         """A session back without a TTL hint: protect it for the learned window
-        (``policy/returns.py``); its first return's pause teaches the window."""
+        (``policy/returns.py``); its first return's pause teaches the window. A repeat while
+        most of the window this process last set is still ahead sends nothing."""
         returns, store = self.returns, self.store
-        if returns is None or store is None or hint.ttl_s is not None or up.created:
+        if returns is None or store is None:
+            return
+        key = (tenant, hint.session_id)
+        if hint.ttl_s is not None or up.created:  # its own TTL (or a new session) decides
+            if key in self._returned:
+                self._returned[key] = 0.0  # whatever this process protected it until is void
             return
         if up.last_active <= 0:
             return
         now = time.time()
-        key = (tenant, hint.session_id)
-        if key in self._returned:
+        until = self._returned.get(key)
+        if until is not None:
             self._returned.move_to_end(key)
         else:  # its first return seen here: later pauses are shortened by its own touches
             returns.observe(now - up.last_active)
-            self._returned[key] = None
-            if len(self._returned) > MAX_RETURNED:
+            until = 0.0
+            if len(self._returned) >= MAX_RETURNED:
                 self._returned.popitem(last=False)
         ttl = returns.ttl()
-        if ttl is not None:
-            self.spawn(self._protect(store, tenant, hint.session_id, now, ttl))
+        if ttl is None:
+            self._returned[key] = until
+            return
+        if until - now >= (1.0 - PROTECT_AGAIN_FRACTION) * ttl:
+            self._returned[key] = until  # protected a moment ago: nothing new to say
+            return
+        self._returned[key] = now + ttl
+        self.spawn(self._protect(store, tenant, hint.session_id, now, ttl))
 
     async def _protect(
         self, store: SessionStore, tenant: str, sid: str, now: float, ttl: float
     ) -> None:
+        ok = False
         with contextlib.suppress(StoreDown):
-            if await store.protect(tenant, sid, now, ttl):
-                self.metrics.return_protections.inc()
+            ok = await store.protect(tenant, sid, now, ttl)
+        if ok:
+            self.metrics.return_protections.inc()
+        elif (tenant, sid) in self._returned:  # not protected after all: the next return asks
+            self._returned[(tenant, sid)] = 0.0
 
     async def unregister_failed(
         self, tenant: str, hint: Hint, registering: asyncio.Future[Registration]

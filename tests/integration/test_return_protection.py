@@ -76,3 +76,46 @@ async def test_off_at_factor_zero(redis_server: RedisServer, namespace: str) -> 
         await rt.settle()
         session = await rt.store.get("default", "chat")
         assert session is not None and session.ttl_until == 0
+
+
+async def test_a_repeat_while_still_protected_sends_no_protect(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Every return used to send a protect; one while most of the window this process set
+    is still ahead sends nothing, one after the window ran out (or after a TTL hint) does."""
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.store is not None
+        rt.returns = ReturnWindow(ReturnWindowConfig(factor=1.0, min_samples=1, min_ttl_s=1.0))
+        sent: list[float] = []
+        protect = rt.store.protect
+
+        async def counted(tenant: str, sid: str, now: float, ttl_s: float, **kw: Any) -> bool:
+            sent.append(ttl_s)
+            return await protect(tenant, sid, now, ttl_s, **kw)
+
+        setattr(rt.store, "protect", counted)  # noqa: B010
+        await _post(st, _body("chat"))
+        await rt.settle()
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):
+            await _post(st, _body("chat"))  # its first return: protected for 1 s
+            await rt.drain()
+            assert sent == [1.0]
+            for _ in range(3):  # returns within the window just set: nothing to send
+                await _post(st, _body("chat"))
+            await rt.drain()
+            assert sent == [1.0]
+            await asyncio.sleep(1.05)  # the window ran out: the next return protects again
+            start = time.time()
+            await _post(st, _body("chat"))
+            await rt.drain()
+            assert sent == [1.0, 1.0]
+            await rt.settle()
+            back = await rt.store.get("default", "chat")
+            assert back is not None and back.state == "protected"
+            assert start + 0.9 <= back.ttl_until <= time.time() + 1.1
+            await _post(st, _body("chat", ttl=0))  # stop protecting: its own TTL decides
+            await _post(st, _body("chat"))  # back without a TTL: protected again at once
+            await rt.drain()
+            assert sent == [1.0, 1.0, 1.0]

@@ -290,6 +290,8 @@ def _prefix_digest(body: dict[str, Any], section: str, index: int) -> str:
 
 
 _AGENT_HINT_ONLY = ("agent_hint",)
+_COMMON: dict[tuple[str | None, str | None, float | None, int, float], Hint] = {}
+_MAX_COMMON = 16_384  # common hints kept (then all are dropped)
 
 
 def _simple_id(value: str, limits: Limits) -> bool:
@@ -324,14 +326,21 @@ def _common_hint(
     if plain is None:
         return None
     sid, pid, ttl = plain
-    if sid is None or not _simple_id(sid, limits):
-        return None
-    if pid is not None and (pid == sid or not _simple_id(pid, limits)):
-        return None
-    if ttl is not None and ttl > limits.max_ttl_s:
-        return None
+    # a session's repeats ask the same: its hint, checked and built once (Hint is immutable)
+    key = (sid, pid, ttl, limits.max_session_id_len, limits.max_ttl_s)
+    hint = _COMMON.get(key)
+    if hint is None:
+        if sid is None or not _simple_id(sid, limits):
+            return None
+        if pid is not None and (pid == sid or not _simple_id(pid, limits)):
+            return None
+        if ttl is not None and ttl > limits.max_ttl_s:
+            return None
+        if len(_COMMON) >= _MAX_COMMON:
+            _COMMON.clear()
+        hint = _COMMON[key] = Hint(sid, pid, ttl_s=ttl, dialects=_AGENT_HINT_ONLY)
     del body["agent_hint"]
-    return Hint(sid, pid, ttl_s=ttl, dialects=_AGENT_HINT_ONLY)
+    return hint
 
 
 def might_carry_body_hint(raw: bytes) -> bool:

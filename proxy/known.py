@@ -6,13 +6,15 @@ them). So while Redis has accepted a session within ``KNOWN_FOR_S`` and no Redis
 failed since, a repeat is answered from memory and its upsert is written behind: merged per
 session (the latest request's time, how many requests it stands for) and sent just before the
 next batch of finished requests (``proxy/completions.py``), so Redis sees the same upserts and
-completions in the same order as before, within the writer's interval. What Redis answers those
-upserts refreshes what is known (engine affinity, last activity, as Redis has them); a rejection
-(the session was freed and its tenant is full) forgets the session; a Redis failure forgets
-them all, and the next requests register synchronously and answer what Redis says.
+completions in the same order as before, within the writer's interval. Those upserts answer
+briefly (created or not, or the rejection), so nothing is decoded for a session that simply
+existed: a session is known for ``KNOWN_FOR_S`` after its last synchronous registration, then
+its next request registers again and reads what Redis has. A rejection (the session was freed
+and its tenant is full), or a session created again, forgets the session; a Redis failure
+forgets them all, and the next requests register synchronously and answer what Redis says.
 
-What memory misses is what other processes wrote to the session since Redis last answered for
-it (at most ``KNOWN_FOR_S`` ago): the engine another replica served it on (placement reads it
+What memory misses is what other processes wrote to the session since its last registration
+(at most ``KNOWN_FOR_S`` ago): the engine another replica served it on (placement reads it
 only for prompts too short to place by their prefix), a touch another process recorded (this
 process's own are applied). A session freed meanwhile is created again by the upsert written
 behind, as its registration would have.
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.hint_model import Hint
-from proxy.store import SessionStore, StoreDown, StoreRejected, Upserted
+from proxy.store import SessionStore, StoreDown, Upserted
 from proxy.store_writes import Template
 
 log = logging.getLogger("kvkeeper.known")
@@ -157,17 +159,16 @@ class KnownSessions:
             self.forget_all()
             self._requeue(batch)
             return
-        known, confirmed = self._known, time.monotonic()
+        known = self._known
         for key, result in zip(batch, results, strict=True):
-            if isinstance(result, StoreRejected):
-                log.debug("session %s rejected behind its request: %s", key, result.reason)
-                known.pop(key, None)
+            if result is False:  # accepted: what is known stands until it is confirmed again
                 continue
-            if result.created and self._on_created is not None:
-                self._on_created()  # freed meanwhile: its repeat created it again
-            if (entry := known.get(key)) is not None:
-                entry.upserted = _merged(entry, result)
-                entry.confirmed = confirmed
+            if result is True:  # freed meanwhile: its repeat created it again
+                if self._on_created is not None:
+                    self._on_created()
+            else:
+                log.debug("session %s rejected behind its request: %s", key, result.reason)
+            known.pop(key, None)  # its next request registers and reads what Redis has
 
     def _requeue(self, batch: dict[Key, _Behind]) -> None:
         for key, later in self._behind.items():

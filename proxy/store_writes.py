@@ -19,6 +19,7 @@ Template = tuple[bytes, bytes]
 UPSERT_KEYS, UPSERT_ARGS = 10, 13  # per session (lua/upsert.lua)
 UPSERTS_PER_CALL = 128  # sessions per script call: Redis runs one call at a time
 PACKED_SESSIONS = 100_000  # sessions whose completion keys stay packed (then all are dropped)
+_BRIEF = pack_values(("1",))  # upsert.lua: one argument past the sessions' asks for brief replies
 
 
 class SessionWrites(StoreBase):
@@ -44,11 +45,13 @@ class SessionWrites(StoreBase):
 
     async def upsert_many(
         self, calls: list[tuple[str, Hint, float, int, Template]]
-    ) -> list[Upserted | StoreRejected]:
+    ) -> list[bool | StoreRejected]:
         """``upsert`` for several (tenant, hint, now, requests it stands for, its template):
         up to ``UPSERTS_PER_CALL`` sessions a script call (on a cluster one each), in one
-        pipeline. A rejection is returned in its place; StoreDown when Redis fails."""
+        pipeline. Whether each created its session, or its rejection in its place (a brief
+        reply: what Redis had of the session is not sent back); StoreDown when Redis fails."""
         scripts = self.scripts
+        out: list[bool | StoreRejected] = []
         if isinstance(scripts, ScriptBatcher):
             chunks = [
                 calls[i : i + UPSERTS_PER_CALL] for i in range(0, len(calls), UPSERTS_PER_CALL)
@@ -57,24 +60,22 @@ class SessionWrites(StoreBase):
             def send() -> Awaitable[list[Any]]:
                 return asyncio.gather(*(self._submit_many(scripts, chunk) for chunk in chunks))
 
-            replies = [
-                reply
-                for chunk, answer in zip(chunks, await self._call(send), strict=True)
-                for reply in (answer if len(chunk) > 1 else [answer])
-            ]
-        else:
-            replies = await self._call(
-                lambda: asyncio.gather(
-                    *(
-                        scripts.call("upsert", *self._upsert_call(t, h, now, r))
-                        for t, h, now, r, _ in calls
-                    )
+            for answer in await self._call(send):
+                for reply in answer:  # 1 (created), 0, or the rejection's reason
+                    out.append(bool(reply) if type(reply) is int else StoreRejected(as_text(reply)))
+            return out
+        replies = await self._call(
+            lambda: asyncio.gather(
+                *(
+                    scripts.call("upsert", *self._upsert_call(t, h, now, r))
+                    for t, h, now, r, _ in calls
                 )
             )
-        out: list[Upserted | StoreRejected] = []
+        )
         for (tenant, *_), reply in zip(calls, replies, strict=True):
             try:  # one coroutine per reply only on a cluster (its tenant set)
-                out.append(await self._upserted(tenant, reply) if self.cluster else _decoded(reply))
+                up = await self._upserted(tenant, reply) if self.cluster else _decoded(reply)
+                out.append(up.created)
             except StoreRejected as exc:
                 out.append(exc)
         return out
@@ -82,12 +83,14 @@ class SessionWrites(StoreBase):
     def _submit_many(
         self, scripts: ScriptBatcher, chunk: list[tuple[str, Hint, float, int, Template]]
     ) -> asyncio.Future[Any]:
-        """One upsert call for the chunk's sessions: every session's keys, then their arguments."""
+        """One upsert call for the chunk's sessions: every session's keys, then their arguments,
+        then the flag asking for brief replies."""
         parts = [pack_values((UPSERT_KEYS * len(chunk),))]
         parts += [keys for *_, (keys, _) in chunk]
         parts += [self._args(tpl, now, requests) for *_, now, requests, tpl in chunk]
+        parts.append(_BRIEF)
         return scripts.submit(
-            "upsert", 1 + (UPSERT_KEYS + UPSERT_ARGS) * len(chunk), b"".join(parts)
+            "upsert", 2 + (UPSERT_KEYS + UPSERT_ARGS) * len(chunk), b"".join(parts)
         )
 
     def _args(self, template: Template, now: float, requests: int) -> bytes:

@@ -2,7 +2,7 @@
 -- One round trip; rejections happen before any write, so a rejected hint changes nothing.
 -- Several sessions in one call (the upserts of known sessions' repeats, written behind): 10 keys
 -- and 13 arguments per session, one after the other, and a list of replies (one session: its
--- reply alone).
+-- reply alone, unless brief replies are asked for, see the end).
 -- KEYS[1] session hash      KEYS[2] tenant index ZSET (sid by last_seen)   KEYS[3] deadline ZSET
 -- KEYS[4] parent hash ("" when no parent)   KEYS[5] parent's children SET ("" when no parent)
 -- KEYS[6] tenants SET       KEYS[7] own children SET   KEYS[8] own context STRING
@@ -109,9 +109,13 @@ local function upsert(k, a)
 end
 
 local n = #KEYS / 10
-if n == 1 then return upsert(0, 0) end
+-- one more argument after the sessions' own: brief replies, 1 (created), 0 or the rejection
+local brief = #ARGV > 13 * n
+if n == 1 and not brief then return upsert(0, 0) end
 local replies = {}
 for i = 0, n - 1 do
-  replies[i + 1] = upsert(10 * i, 13 * i)
+  local reply = upsert(10 * i, 13 * i)
+  if brief then reply = reply[1] == 'ok' and reply[2] or reply[1] end
+  replies[i + 1] = reply
 end
 return replies

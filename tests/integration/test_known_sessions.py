@@ -142,7 +142,8 @@ async def test_a_failed_repeat_leaves_its_session_kept_and_not_active(
 async def test_upserts_written_behind_share_a_script_call(
     redis_server: RedisServer, namespace: str
 ) -> None:
-    """Several sessions' upserts in one script call answer as each upsert alone would."""
+    """Several sessions' upserts in one script call act as each upsert alone would, and answer
+    briefly: whether each created its session, or its rejection."""
     async with proxy_stack(redis_server.url, namespace) as st:
         store = _rt(st).store
         assert store is not None
@@ -160,8 +161,7 @@ async def test_upserts_written_behind_share_a_script_call(
         )
         assert batcher.calls - calls == 1  # one script call for the three
         first, second, third = results
-        assert isinstance(first, Upserted) and not first.created
-        assert isinstance(second, Upserted) and second.created
+        assert first is False and second is True
         assert isinstance(third, StoreRejected) and third.reason == "parent_mismatch"
         old = await store.get("t", "old")
         new = await store.get("t", "new")
@@ -182,3 +182,32 @@ def test_what_a_repeat_reads_follows_this_process_completions_and_touches() -> N
     assert known.repeat("t", Hint("s", ttl_s=30.0), 152.0) is None  # another TTL registers
     known.forget_all()
     assert known.repeat("t", hint, 153.0) is None
+
+
+async def test_a_repeating_session_registers_again_after_known_for_s(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Upserts written behind answer briefly and confirm nothing: a session that keeps
+    repeating registers synchronously again once ``known_for_s`` has passed (and reads what
+    Redis has then), its repeats in between answered from memory."""
+    async with proxy_stack(redis_server.url, namespace) as st:
+        rt = _rt(st)
+        assert rt.known is not None and rt.store is not None
+        rt.known.known_for_s = 0.3
+        store, registered = rt.store, []
+        upsert = store.upsert
+
+        async def counted(*args: Any) -> Any:
+            registered.append(time.monotonic())
+            return await upsert(*args)
+
+        setattr(store, "upsert", counted)  # noqa: B010
+        async with asyncio.timeout(10):
+            assert await _post(st, _hinted("r")) == (200, "accepted")
+            start = time.monotonic()
+            while time.monotonic() - start < 0.5:
+                assert await _post(st, _hinted("r")) == (200, "accepted")
+                await rt.settle()  # its upsert written behind, answered briefly
+                await asyncio.sleep(0.02)
+        assert len(registered) == 2 and 0.3 <= registered[1] - registered[0] < 0.45
+        assert rt.known.repeats > 5

@@ -13,6 +13,7 @@ from aiohttp import ClientResponse, web
 
 from proxy import jsonio
 from proxy.runtime import RUNTIME
+from proxy.settings import UpstreamSettings
 from proxy.usage import UsageSniffer
 
 
@@ -25,37 +26,86 @@ def engine_visible(request: web.Request) -> bool:
     )
 
 
+class StallWatch:
+    """Fails the body read an engine leaves without a byte for ``stall_s`` (``first_s`` before
+    the first byte): one timer per window, re-armed when it fires, instead of one per chunk."""
+
+    __slots__ = ("_content", "_handle", "_limit", "_loop", "_since", "stall_s")
+
+    def __init__(self, content: aiohttp.StreamReader, first_s: float, stall_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._content = content
+        self._limit = first_s
+        self.stall_s = stall_s
+        self._since: float | None = None  # when the pending read began (None: not reading)
+        self._handle: asyncio.TimerHandle | None = None
+
+    def reading(self) -> None:
+        self._since = now = self._loop.time()
+        if self._handle is None:
+            self._handle = self._loop.call_at(now + self._limit, self._check)
+
+    def read(self) -> None:
+        """A read returned: from now on the engine may be silent ``stall_s`` at most."""
+        self._since = None
+        if self._limit != self.stall_s:  # the first byte: the timer set for first_s is too late
+            self.cancel()
+            self._limit = self.stall_s
+
+    def _check(self) -> None:
+        self._handle = None
+        if self._since is None:
+            return  # not reading: the next read arms it again
+        due = self._since + self._limit
+        if self._loop.time() + 0.001 >= due:  # (a timer may fire a clock tick early)
+            quiet = TimeoutError(f"no byte from the engine for {self._limit:g} s")
+            self._content.set_exception(quiet)
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 async def pump_stream(
     stream: web.StreamResponse,
     upstream: ClientResponse,
     sniffer: UsageSniffer | None,
     stall_s: float,
+    first_s: float = UpstreamSettings.read_timeout_s,
 ) -> Exception | None:
     """Copy the engine's body to the client; the engine-side failure that cut it short (the
-    connection dropped, or no byte for ``stall_s`` after the first), else None. Failures
-    writing to the client propagate (the client went away)."""
+    connection dropped, or no byte for ``first_s`` before the first, ``stall_s`` after it),
+    else None. Failures writing to the client propagate (the client went away)."""
     content = upstream.content
+    watch = StallWatch(content, first_s, stall_s)
+    conn = upstream.connection
+    if conn is not None and conn.protocol is not None:  # the watch times the body instead of
+        conn.protocol.read_timeout = None  # aiohttp's read timer, re-armed on every chunk
     started = False
-    while True:
-        try:
-            if not started:  # a long prefill: the client session's read timeout
+    try:
+        while True:
+            watch.reading()
+            try:
                 chunk = await content.readany()
-            else:
-                async with asyncio.timeout(stall_s):
-                    chunk = await content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return exc
-        if not chunk:
-            if sniffer is not None and (rest := sniffer.relay_rest()):
-                await stream.write(rest)
-            return None
-        if sniffer is not None:
-            if not started:
-                sniffer.mark_first_byte()
-            chunk = sniffer.relay(chunk)
-        started = True
-        if chunk:
-            await stream.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return exc
+            watch.read()
+            if not chunk:
+                if sniffer is not None and (rest := sniffer.relay_rest()):
+                    await stream.write(rest)
+                return None
+            if sniffer is not None:
+                if not started:
+                    sniffer.mark_first_byte()
+                chunk = sniffer.relay(chunk)
+            started = True
+            if chunk:
+                await stream.write(chunk)
+    finally:
+        watch.cancel()
 
 
 async def end_broken_stream(

@@ -19,6 +19,7 @@ Metrics: ``kvkeeper_retention_guard_*`` per engine; ``view`` is the ``guard`` en
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,12 +105,6 @@ class Guards:
         if held is None or tokens >= held.tokens:
             book[key] = _Kept(max(0, tokens), tier)
 
-    def holding(self, engine: str, key: Key) -> bool:
-        """Whether retention kept something for the session on ``engine`` (what ``resumed``
-        credits; without it ``resumed`` needs no horizon)."""
-        book = self._kept.get(engine)
-        return book is not None and key in book
-
     def resumed(
         self,
         engine: str,
@@ -119,10 +114,12 @@ class Guards:
         *,
         horizon_s: float = math.inf,
         last_active: float = 0.0,
+        horizon_of: Callable[[float], float] | None = None,
     ) -> int:
         """The session's next request found ``cached_tokens`` on an engine whose LRU horizon
-        is ``horizon_s``; ``last_active``: the store's last activity of the session (used when
-        this process did not see its previous request). The tokens credited."""
+        is ``horizon_s`` (or ``horizon_of(now)``, asked only when something was kept for the
+        session); ``last_active``: the store's last activity of the session (used when this
+        process did not see its previous request). The tokens credited."""
         since = self._seen.pop(key, None)
         self._seen[key] = now
         if len(self._seen) > MAX_SEEN:
@@ -135,6 +132,8 @@ class Guards:
         hit = min(max(0, cached_tokens), held.tokens)
         if held.tier and hit:
             self.metrics.guard_cost.labels(engine).inc(guard.loaded(hit, now))
+        if horizon_of is not None:
+            horizon_s = horizon_of(now)
         since = since if since is not None else last_active
         pause = now - since if since > 0 else math.inf
         within = guard.resumes_within_horizon

@@ -165,27 +165,27 @@ class Retention:
         were still resident; fewer cached tokens after a gap bound the horizon below it."""
         es = self.engines.get(engine)
         signals = es.engine.signals if es is not None else None
+        if usage is None:
+            return
         now = time.time()
-        guards = self.guards
-        if guards is not None and key is not None and usage is not None:
+        if self.guards is not None and key is not None:
             # the horizon only for a session retention kept something for (resumed credits it)
-            held = signals is not None and guards.holding(engine, key)
-            horizon = signals.horizon(now) if signals is not None and held else math.inf
-            guards.resumed(
+            self.guards.resumed(
                 engine,
                 key,
                 usage.cached_tokens,
                 now,
-                horizon_s=horizon,
                 last_active=before.last_active,
+                horizon_of=signals.horizon if signals is not None else None,
             )
-        if signals is None or signals.has_events or usage is None or not before.last_active:
+        if signals is None or signals.events_on or not before.last_active:
             return
         signals.observe_resume(
             now - before.last_active,
             usage.cached_tokens,
             usage.prompt_tokens,
             before.last_prompt_tokens,
+            now,
         )
 
     def forget(self, key: SessionKey) -> None:

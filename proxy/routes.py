@@ -13,7 +13,7 @@ from proxy.access import access_info
 from proxy.admin_models import EditOutcome, Health, ManagementResult, Readiness
 from proxy.edits import outcome_header
 from proxy.errors import NotFound, StoreUnavailable
-from proxy.forward import HINT_HEADER, Outbound, forward
+from proxy.forward import HINT_HEADER, Forwarded, Outbound, forward
 from proxy.hint_model import Hint
 from proxy.hints import parse_request
 from proxy.keys import SessionKey
@@ -21,10 +21,10 @@ from proxy.passthrough import previous_response_id, remember_response, response_
 from proxy.relay import engine_visible
 from proxy.runtime import RUNTIME, Registration, Runtime
 from proxy.store import StoreDown, Upserted, Usage
-from proxy.upstream import Engine
 
 log = logging.getLogger("kvkeeper.routes")
 
+_NO_USAGE = Usage()  # an answer that told none
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
@@ -72,28 +72,29 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     if response_id is not None and done.ok:
         remember_response(request, tenant, response_id, done.engine.name)
     reg = done.registration
-    if hint is not None and reg is not None and reg.upserted is not None and done.ok:
-        _after(rt, tenant, hint, reg.upserted, request.path, parsed.body, done.engine, done.usage)
+    key, up = out.key, reg.upserted if reg is not None else None
+    if key is not None and hint is not None and up is not None and done.ok:
+        _after(rt, key, hint, up, request.path, parsed.body, done)
     return done.response
 
 
 def _after(
     rt: Runtime,
-    tenant: str,
+    key: SessionKey,
     hint: Hint,
     before: Upserted,
     route: str,
     body: bytes,
-    engine: Engine,
-    usage: Usage | None,
+    done: Forwarded,
 ) -> None:
     """Record usage + context (buffered, written in batches), feed retention, run edits."""
     assert rt.completions is not None
+    tenant, engine, usage = key.tenant, done.engine, done.usage
     rt.completions.add(
         tenant,
         hint.session_id,
         engine=engine.name,
-        usage=usage or Usage(),
+        usage=usage or _NO_USAGE,
         route=route,
         body=body,
         breakpoint=hint.breakpoint,
@@ -101,7 +102,7 @@ def _after(
         now=time.time(),
     )
     if rt.retention is not None:
-        rt.retention.on_completion(engine.name, usage, before, SessionKey(tenant, hint.session_id))
+        rt.retention.on_completion(engine.name, usage, before, key)
     if hint.edits:
         rt.spawn(_apply_edits(rt, tenant, hint))
     if hint.retain_s and rt.longterm is not None:

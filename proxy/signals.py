@@ -281,14 +281,15 @@ class EngineSignals:
         self.horizon_s, self.horizon_source = min(candidates, default=(math.inf, "unknown"))
         return self.horizon_s
 
-    def observe_resume(self, gap_s: float, cached: int, prompt: int, previous: int) -> None:
+    def observe_resume(
+        self, gap_s: float, cached: int, prompt: int, previous: int, now: float | None = None
+    ) -> None:
         """Feedback mode: a resume after ``gap_s`` found ``cached`` of the tokens that would
-        hit if the previous prompt (``previous`` tokens) were still resident."""
-        bs = self.block_size
+        hit if the previous prompt (``previous`` tokens) were still resident (at ``now``)."""
+        bs = self.adapter.cache.block_size
         expected = min(previous, prompt - 1) // bs * bs
         if expected > 0:
-            now = time.time()
-            self.estimator.observe_resume(gap_s, cached, expected, now)
+            self.estimator.observe_resume(gap_s, cached, expected, now or time.time())
 
     # --- residency ----------------------------------------------------------------------------
     def resident_prefix(self, blocks: Sequence[int]) -> int:

@@ -72,21 +72,26 @@ class Forwarded:
 
 
 async def forward(
-    rt: Runtime, out: Outbound, registering: asyncio.Future[Registration] | None
+    rt: Runtime, out: Outbound, registering: Registration | asyncio.Future[Registration] | None
 ) -> Forwarded:
-    """Place, send, relay, account. A hinted request waits for its registration before
-    choosing an engine only when the choice depends on the session (several engines, a prompt
-    too short to place by its prefix); either way the outcome header needs it before the
-    answer's headers go out."""
+    """Place, send, relay, account. A hinted request waits for its registration (when it is
+    not there at once) before choosing an engine only when the choice depends on the session
+    (several engines, a prompt too short to place by its prefix); either way the outcome
+    header needs it before the answer's headers go out."""
     chain = _chain(rt, out.raw)
-    reg = await registering if registering is not None and _by_session(rt, chain) else None
+    reg: Registration | None
+    if isinstance(registering, Registration):
+        reg, pending = registering, None
+    else:
+        pending = registering
+        reg = await pending if pending is not None and _by_session(rt, chain) else None
     order = await _order(rt, out, reg, chain)
     headers = _headers(rt, out, order)
     prefill = Prefill(rt.placer, order[0].name, len(out.body), chain) if chain and order else None
     engine, upstream, sent_at, with_usage = await _send(rt, out, order, headers, prefill)
     try:
-        if registering is not None and reg is None:
-            reg = await registering
+        if pending is not None and reg is None:
+            reg = await pending
         outcome = _outcome(out, reg, upstream.status)
         if upstream.status >= 400 and "json" not in upstream.content_type:
             detail = (await upstream.read())[:200].decode(errors="replace")

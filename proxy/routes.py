@@ -36,17 +36,16 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     parsed = parse_request(request.path, request.headers, raw, rt.settings.limits)
     hint = parsed.hint
-    registering: asyncio.Future[Registration] | None = None
+    # a known repeat's registration at once, else the task doing it
+    registering: Registration | asyncio.Task[Registration] | None = None
     if hint is not None:
         for dialect in hint.dialects:
             rt.metrics.child(rt.metrics.hints, dialect).inc()
         if hint.manage_request:
             access_info(request).hint = "manage_request"
             return await _manage(rt, tenant, hint)
-        if (repeat := rt.register_repeat(tenant, hint)) is not None:
-            registering = asyncio.get_running_loop().create_future()
-            registering.set_result(repeat)
-        else:  # the Redis round trip runs while the request travels to the engine
+        registering = rt.register_repeat(tenant, hint)
+        if registering is None:  # the Redis round trip runs while the request travels on
             registering = asyncio.create_task(rt.register(tenant, hint))
     # a Responses request continuing a stored response runs where that response is stored
     previous = previous_response_id(request.path, parsed.json_body, raw)

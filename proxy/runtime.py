@@ -184,11 +184,11 @@ class Runtime:
             self._returned[(tenant, sid)] = 0.0
 
     async def unregister_failed(
-        self, tenant: str, hint: Hint, registering: asyncio.Future[Registration]
+        self, tenant: str, hint: Hint, registering: Registration | asyncio.Future[Registration]
     ) -> None:
         """The request failed upstream: a session its registration created is removed again
         (kept if another request has used it meanwhile); a kept one is not left ``active``."""
-        reg = await registering
+        reg = registering if isinstance(registering, Registration) else await registering
         if reg.upserted is None or self.store is None:
             return
         if reg.behind:  # its upsert, written behind, goes first

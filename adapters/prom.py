@@ -87,6 +87,33 @@ def parse_text(text: str) -> list[Sample]:
     return out
 
 
+# the histograms ``engine_metrics_from`` reads (under their successive names): the only ones
+# whose buckets an engine scrape parses
+_READ_HISTOGRAMS = {
+    "prefill": ("vllm:request_prefill_time_seconds",),
+    "inter_token": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+}
+_READ_BUCKETS = tuple(f"{n}_bucket" for names in _READ_HISTOGRAMS.values() for n in names)
+
+
+def parse_engine_text(text: str) -> list[Sample]:
+    """The samples of a vLLM ``/metrics`` page that ``engine_metrics_from`` reads: ``vllm:``
+    ones, less the buckets of histograms it does not read (most of a page's lines), so a
+    scrape parses a fraction of the page; the same figures as from ``parse_text``."""
+    out: list[Sample] = []
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name = line[:brace] if brace >= 0 else line.split(None, 1)[0]
+        if name.endswith("_bucket") and not name.startswith(_READ_BUCKETS):
+            continue
+        sample = parse_line(line)
+        if sample is not None:
+            out.append(sample)
+    return out
+
+
 def _names(name: str) -> tuple[str, ...]:
     """A metric name with and without the ``_total`` counter suffix."""
     if name.endswith("_total"):
@@ -176,10 +203,8 @@ def engine_metrics_from(samples: list[Sample], *, hash_seed: str = "0") -> Engin
         prefix_cache_hits=total(samples, "vllm:prefix_cache_hits"),
         external_prefix_cache_hits=total(samples, "vllm:external_prefix_cache_hits"),
         preemptions=total(samples, "vllm:num_preemptions"),
-        prefill_time=histogram(samples, "vllm:request_prefill_time_seconds"),
-        inter_token=histogram(
-            samples, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
-        ),
+        prefill_time=histogram(samples, *_READ_HISTOGRAMS["prefill"]),
+        inter_token=histogram(samples, *_READ_HISTOGRAMS["inter_token"]),
         cache_config=cache_config_from(samples, hash_seed=hash_seed),
         raw=raw,
     )

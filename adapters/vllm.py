@@ -31,7 +31,7 @@ from adapters.base import (
 )
 from adapters.block_hash import BlockHasher, common_blocks, event_id
 from adapters.kv_events import KVEventSubscriber, endpoint_for_host
-from adapters.prom import engine_metrics_from, parse_text
+from adapters.prom import engine_metrics_from, parse_engine_text
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETION_ROUTE = "/v1/completions"
@@ -368,7 +368,7 @@ class VLLMAdapter:
             text = await resp.text()
             if resp.status >= 400:
                 raise EngineRejected(resp.status, text[:300])
-            return engine_metrics_from(parse_text(text), hash_seed=self.cache.hash_seed)
+            return engine_metrics_from(parse_engine_text(text), hash_seed=self.cache.hash_seed)
 
     # discovery and control ----------------------------------------------------------------
     async def discover(self, *, cache: bool) -> None:

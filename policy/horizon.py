@@ -101,11 +101,16 @@ class HorizonEstimator:
         self._evictions: deque[tuple[float, float]] = deque(maxlen=self.config.window)
         self._losses: deque[tuple[float, float]] = deque(maxlen=self.config.window)
         self.survivals = 0  # resumes that found their whole prefix cached (informational)
+        # the last estimate, until a sample arrives: decay scales every weight alike, so the
+        # quantile of unchanged samples does not move with ``now`` (past their newest sample)
+        self._changes = 0
+        self._memo: tuple[int, float, HorizonEstimate] | None = None  # (changes, newest, est.)
 
     def observe_eviction(self, age_s: float, at: float) -> None:
         """One evicted block, unused for ``age_s`` seconds when it was removed at ``at``."""
         if age_s >= 0 and math.isfinite(age_s):
             self._evictions.append((at, age_s))
+            self._changes += 1
 
     def observe_evictions(self, ages_s: Iterable[float], at: float) -> None:
         """All blocks of one BlockRemoved event (or one tick's batch) removed at ``at``.
@@ -120,6 +125,7 @@ class HorizonEstimator:
                 if len(kept) == self.config.window:
                     break
         self._evictions.extend(reversed(kept))
+        self._changes += bool(kept)
 
     def observe_resume(
         self, gap_s: float, cached_tokens: int, expected_cached_tokens: int, at: float
@@ -132,21 +138,24 @@ class HorizonEstimator:
         """
         if cached_tokens < expected_cached_tokens and gap_s > 0:
             self._losses.append((at, gap_s))
+            self._changes += 1
             return True
         self.survivals += 1
         return False
 
     def estimate(self, now: float) -> HorizonEstimate:
         """The horizon as of ``now``: events first, else feedback, else unknown (infinite)."""
-        if self._evictions:
-            return HorizonEstimate(
-                self._robust(self._evictions, now), HorizonSource.EVENTS, len(self._evictions)
-            )
-        if self._losses:
-            return HorizonEstimate(
-                self._robust(self._losses, now), HorizonSource.FEEDBACK, len(self._losses)
-            )
-        return UNKNOWN_HORIZON
+        memo = self._memo
+        if memo is not None and memo[0] == self._changes and now >= memo[1]:
+            return memo[2]
+        samples, source = self._evictions, HorizonSource.EVENTS
+        if not samples:
+            samples, source = self._losses, HorizonSource.FEEDBACK
+        if not samples:
+            return UNKNOWN_HORIZON
+        found = HorizonEstimate(self._robust(samples, now), source, len(samples))
+        self._memo = (self._changes, max(at for at, _ in samples), found)
+        return found
 
     def _robust(self, samples: deque[tuple[float, float]], now: float) -> float:
         # Too few samples for a quantile: the smallest seen is the safe choice.

@@ -87,6 +87,35 @@ def test_pressure_drop_follows_recent_samples() -> None:
     assert h.estimate(now=600.0).seconds == 10.0
 
 
+def test_an_estimate_is_reused_until_a_sample_arrives_and_matches_a_fresh_one() -> None:
+    """Decay scales every weight alike: past the newest sample, the quantile of the same
+    samples is the same at any later ``now``; a new sample (or an earlier ``now``) recomputes."""
+    config = HorizonConfig(half_life_s=60.0, min_samples=4, quantile=0.3)
+    h = HorizonEstimator(config)
+    h.observe_evictions([100.0] * 6, at=0.0)
+    h.observe_evictions([10.0, 20.0, 30.0], at=120.0)
+    samples = [(0.0, 100.0)] * 6 + [(120.0, 10.0), (120.0, 20.0), (120.0, 30.0)]
+    first = h.estimate(now=120.0)
+    for now in (121.0, 300.0, 3000.0):
+        assert h.estimate(now) is first  # reused, not recomputed
+        assert first.seconds == weighted_quantile(samples, 0.3, now, 60.0)
+    h.observe_eviction(5.0, at=3000.0)  # a new sample: recomputed
+    assert h.estimate(now=3000.0).seconds == weighted_quantile(
+        [*samples, (3000.0, 5.0)], 0.3, 3000.0, 60.0
+    )
+    # before the newest sample (a clock set back) weights are clamped: computed afresh
+    assert h.estimate(now=0.0).seconds == weighted_quantile(
+        [*samples, (3000.0, 5.0)], 0.3, 0.0, 60.0
+    )
+    losses = HorizonEstimator(config)  # feedback mode alike
+    for gap in (50.0, 40.0, 30.0, 20.0):
+        losses.observe_resume(gap, 0, 16, at=10.0)
+    fed = losses.estimate(now=10.0)
+    assert fed.source is HorizonSource.FEEDBACK and losses.estimate(now=99.0) is fed
+    losses.observe_resume(5.0, 0, 16, at=100.0)
+    assert losses.estimate(now=100.0) is not fed
+
+
 def test_invalid_ages_are_ignored() -> None:
     h = HorizonEstimator()
     h.observe_evictions([-1.0, math.nan, math.inf], at=0.0)

@@ -12,6 +12,7 @@ from adapters.prom import (
     cache_config_from,
     engine_metrics_from,
     find,
+    parse_engine_text,
     parse_line,
     parse_text,
     total,
@@ -58,6 +59,37 @@ def test_vllm_page_to_engine_metrics() -> None:
     assert m.inter_token == HistogramReading(2.0, 40.0, ())  # no buckets on this page
     assert m.raw["vllm:prefix_cache_queries_total"] == 25088.0
     assert "vllm:num_requests_waiting_by_reason" not in m.raw  # labelled beyond engine/model
+
+
+def test_an_engine_scrape_parses_only_what_it_reads_and_reads_the_same() -> None:
+    page = (
+        "# HELP process_cpu_seconds_total Total user and system CPU time.\n"
+        "process_cpu_seconds_total 12.5\n"
+        'python_gc_objects_collected_total{generation="0"} 1.0\n'
+        "not a metric line at all {\n"  # what is skipped is not parsed (nor rejected)
+        + VLLM_032
+        + 'vllm:e2e_request_latency_seconds_bucket{engine="0",le="1.0",model_name="smol"} 3.0\n'
+        + "vllm:time_per_output_token_seconds_bucket 4\n"
+    )
+    samples = parse_engine_text(page)
+    names = {s.name for s in samples}
+    assert all(n.startswith("vllm:") for n in names)
+    assert "vllm:time_to_first_token_seconds_bucket" not in names  # a histogram not read
+    assert "vllm:e2e_request_latency_seconds_bucket" not in names
+    assert {
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:time_to_first_token_seconds_sum",
+    } <= names
+    assert "vllm:time_per_output_token_seconds_bucket" in names  # the older inter-token name
+    full = [
+        s
+        for s in parse_text(page.replace("not a metric line at all {\n", ""))
+        if s.name.startswith("vllm:")
+    ]
+    assert engine_metrics_from(samples, hash_seed="7") == engine_metrics_from(full, hash_seed="7")
+    assert engine_metrics_from(parse_engine_text(VLLM_032)) == engine_metrics_from(
+        parse_text(VLLM_032)
+    )
 
 
 def test_histograms_under_their_older_names_or_absent() -> None:

@@ -17,9 +17,12 @@ Budget rule (:func:`effective_budget`)::
 where protected prefixes live, count as free), so high usage or a waiting queue means ordinary
 traffic needs the space: the budget shrinks to ``min_factor * base`` at full pressure.
 
-Selection rule (:func:`allocate_budget`): sessions are admitted most valuable first (then fewer
-blocks, then id); each costs only the blocks not already admitted (blocks shared by several live
-sessions count once); one that does not fit lapses, and smaller ones behind it may still fit.
+Selection rule (:func:`allocate_budget`): sessions the client protected (a TTL it asked for)
+are admitted before ``guessed`` ones (protected by kvkeeper's guess, ``policy.returns``), so a
+guess only takes the budget the client's protections leave; within each, most valuable first
+(then fewer blocks, then id). Each costs only the blocks not already admitted (blocks shared by
+several live sessions count once); one that does not fit lapses, and smaller ones behind it may
+still fit.
 """
 
 from __future__ import annotations
@@ -66,11 +69,13 @@ class EngineLoad:
 
 @dataclass(frozen=True, slots=True)
 class BudgetSession:
-    """A protected session competing for the budget: its block ids (hashes) and value."""
+    """A protected session competing for the budget: its block ids (hashes), value, and
+    whether its protection is kvkeeper's guess rather than the client's."""
 
     session_id: SessionId
     block_ids: tuple[int, ...]
     value: float
+    guessed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +120,12 @@ def effective_budget(load: EngineLoad, config: BudgetConfig | None = None) -> tu
 def allocate_budget(
     sessions: Sequence[BudgetSession], budget_blocks: int, pressure: float = 0.0
 ) -> BudgetDecision:
-    """Keep the most valuable protections within ``budget_blocks`` distinct blocks.
+    """Keep the client's protections, then the guessed ones, most valuable first, within
+    ``budget_blocks`` distinct blocks.
 
     O(n log n + total block ids). Shared blocks are charged to the first admitted holder only.
     """
-    order = sorted(sessions, key=lambda s: (-s.value, len(s.block_ids), s.session_id))
+    order = sorted(sessions, key=lambda s: (s.guessed, -s.value, len(s.block_ids), s.session_id))
     admitted: set[int] = set()
     keep: list[SessionId] = []
     lapsed: list[SessionId] = []

@@ -11,9 +11,11 @@ Rules applied by :func:`plan_touches`, in order:
    when the session has just expired);
 3. a session is due when ``age >= safety_fraction * horizon`` (age = now - last use or touch);
    with an unknown horizon nothing is due unless ``unknown_horizon_interval_s`` is set;
-4. due sessions still inside the horizon come first, oldest first (closest to eviction), then
-   higher value, then session id; sessions already past the horizon (probably evicted, so a
-   touch re-prefills all their blocks) come after them, most valuable first;
+4. due sessions the client protected come before ``guessed`` ones (protected by kvkeeper's
+   guess, ``policy.returns``), so a guess only takes the slots the client's sessions leave;
+   within each, sessions still inside the horizon come first, oldest first (closest to
+   eviction), then higher value, then session id; sessions already past the horizon (probably
+   evicted, so a touch re-prefills all their blocks) come after them, most valuable first;
 5. at most ``max_concurrent_touches`` touches run at once; the rest are reported as deferred.
 
 Pure: ``now`` is an argument, nothing does I/O.
@@ -34,7 +36,8 @@ class ProtectedSession:
 
     ``last_active_at``: last use or touch (epoch seconds); ``ttl_until``: protection deadline;
     ``n_blocks``: blocks of its recorded prefix; ``value``: priority weight (higher = keep first,
-    e.g. from :func:`policy.budget.session_value`).
+    e.g. from :func:`policy.budget.session_value`); ``guessed``: protected by kvkeeper's guess,
+    not by the client.
     """
 
     session_id: SessionId
@@ -43,6 +46,7 @@ class ProtectedSession:
     n_blocks: int
     touch_in_flight: bool = False
     value: float = 1.0
+    guessed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +124,9 @@ def plan_touches(
         (lost if now - s.last_active_at >= horizon_s else savable).append(s)
     savable.sort(key=lambda s: (s.last_active_at, -s.value, s.session_id))
     lost.sort(key=lambda s: (-s.value, s.last_active_at, s.session_id))
-    ordered = [s.session_id for s in (*savable, *lost)]
+    ranked = (*savable, *lost)
+    ordered = [s.session_id for s in ranked if not s.guessed]
+    ordered += [s.session_id for s in ranked if s.guessed]
     slots = max(0, cfg.max_concurrent_touches - in_flight)
     return KeepalivePlan(
         touch=tuple(ordered[:slots]),

@@ -31,6 +31,13 @@ touches' recompute. Kinds differ: a session's touch races LRU for the tail of a 
 has been idle, an agent anchor's touch re-sends whole blocks its agent's calls keep recent (one
 token when resident), so one estimate for both would price anchors out at the sessions' cost.
 
+Sessions the client protected (a TTL it asked for) take precedence over ``guessed`` ones
+(protected by kvkeeper's guess, ``policy.returns``): a guessed session's touch is admitted only
+when the credit left after it still covers ``reserve``, one touch at the running estimate for
+every client-protected session the engine keeps (:meth:`OverheadBudget.guessed_reserve`). A
+guess thus spends only credit the client's sessions leave; the reserve is capped so a full
+bucket, which would earn nothing more, still admits one.
+
 Pure: nothing here does I/O or reads a clock.
 """
 
@@ -118,11 +125,21 @@ class OverheadBudget:
         self.credit -= cost
         return True
 
-    def admit_touch(self, kind: str = SESSION_TOUCH) -> float | None:
+    def admit_touch(self, kind: str = SESSION_TOUCH, *, reserve: float = 0.0) -> float | None:
         """Admit a touch of ``kind`` at its running estimate, capped at the bucket's size (a
-        full bucket always admits one); the amount reserved, or None if declined."""
+        full bucket always admits one), if at least ``reserve`` credit is left after it
+        (module docstring); the amount reserved, or None if declined."""
         cost = min(math.ceil(self.estimate(kind)), max(1, math.floor(self.config.burst_tokens)))
+        keep = min(max(0.0, reserve), self.config.burst_tokens - cost)
+        if self.bounded and keep > 0 and self.credit - cost < keep:
+            self.declined += 1
+            return None
         return float(cost) if self.admit(cost) else None
+
+    def guessed_reserve(self, client_sessions: int) -> float:
+        """Credit a guessed session's touch must leave: one session touch at the running
+        estimate for each of ``client_sessions`` client-protected sessions."""
+        return max(0, client_sessions) * self.touch_estimate
 
     def settle(
         self, reserved: float, recomputed: float, *, touch: bool = False, kind: str = SESSION_TOUCH

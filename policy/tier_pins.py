@@ -8,8 +8,10 @@ context's resume loads its prefix from the tier instead of recomputing it, so it
 keep-alive touches on the GPU.
 
 Selection rule (:func:`plan_pins`): at most ``share`` x the tier's capacity in chunks is pinned;
-candidates are taken soonest expected next use first (Belady's order: a session's protection
-left), then already pinned before new, then larger first, then by key; one that does not fit
+sessions the client protected are taken before ``guessed`` ones (kvkeeper's guess,
+``policy.returns``: a guess only gets the room the client's protections leave); within each,
+soonest expected next use first (Belady's order: a session's protection left), then already
+pinned before new, then larger first, then by key; one that does not fit
 is skipped and smaller ones behind it may still fit. Chunks two candidates share are counted
 for each: the budget is conservative.
 """
@@ -26,12 +28,13 @@ K = TypeVar("K", str, tuple[str, str])  # a candidate's key: a name, or (tenant,
 @dataclass(frozen=True, slots=True)
 class PinCandidate(Generic[K]):
     """One session: its complete chunks, the seconds to its expected next use (its protection
-    left), and whether it is pinned."""
+    left), whether it is pinned, and whether its protection is a guess."""
 
     key: K
     chunks: int
     next_use_s: float
     pinned: bool = False
+    guessed: bool = False
 
 
 def pin_budget(capacity_chunks: int, share: float) -> int:
@@ -46,7 +49,9 @@ def plan_pins(candidates: Sequence[PinCandidate[K]], capacity_chunks: int, share
     budget = pin_budget(capacity_chunks, share)
     chosen: list[K] = []
     used = 0
-    for c in sorted(candidates, key=lambda c: (c.next_use_s, not c.pinned, -c.chunks, c.key)):
+    for c in sorted(
+        candidates, key=lambda c: (c.guessed, c.next_use_s, not c.pinned, -c.chunks, c.key)
+    ):
         if c.chunks <= 0 or used + c.chunks > budget:
             continue
         chosen.append(c.key)

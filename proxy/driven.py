@@ -27,6 +27,7 @@ class Driven:
         self.order: DueOrder[SessionKey] = DueOrder()
         self.stale: set[SessionKey] = set()  # block ids not current: (re)learn them
         self.refs: Counter[int] = Counter()  # block id -> driven sessions holding it
+        self.guessed: set[SessionKey] = set()  # protected by kvkeeper's guess, not the client
         self.mark = -1
         self.applied = 0  # changes applied by the last sync (tests, benchmarks)
         self.learned = 0  # stale sessions visited by the last tick (tests, benchmarks)
@@ -66,6 +67,10 @@ class Driven:
             self.drop(key)
             return
         self.sessions[key] = s
+        if s.guessed:
+            self.guessed.add(key)
+        else:
+            self.guessed.discard(key)
         self.order.set(key, s.last_active)
         self.stale.add(key)
 
@@ -80,6 +85,14 @@ class Driven:
             self.blocks.pop(key, None)
         self.order.discard(key)
         self.stale.discard(key)
+        self.guessed.discard(key)
+
+    def clients(self, held: set[SessionKey], kept: set[SessionKey] | None) -> int:
+        """Client-protected sessions that may need touches: not held by the tier, not lapsed
+        (``kept``: those the budget keeps, None: all)."""
+        if kept is not None:
+            return len(kept - self.guessed)
+        return len(self.sessions) - len(self.guessed) - len(held - self.guessed)
 
     def set_blocks(self, key: SessionKey, blocks: tuple[int, ...]) -> None:
         old = self.blocks.get(key, ())

@@ -53,7 +53,7 @@ from proxy.metrics import Metrics
 from proxy.settings import RetentionSettings
 from proxy.store import Session, SessionStore, StoreDown, Upserted, Usage
 from proxy.tiers import TierKeeper
-from proxy.touches import TouchRunner, mark_lost
+from proxy.touches import TouchRunner, mark_lost, urgent
 
 log = logging.getLogger("kvkeeper.retention")
 
@@ -258,11 +258,11 @@ class Retention:
             return
         kept = self._budget(es, d, held, now)
         if self.guards is None or self.guards.allows(es.name, now):
-            signals = es.signals  # passed by the allocation front: as in _urgent (inf: never)
+            signals = es.signals  # passed by the allocation front: as in urgent() (inf: never)
             free = signals.load.free_blocks if signals.load and signals.has_events else math.inf
             interval, limit = touch_interval(horizon, self._keepalive), SAFETY_FRACTION * free
             due = d.due(es.in_flight, held, kept, interval, signals.tap.allocated_since, limit, now)
-            self._touch(es, due, d.blocks, horizon, now)
+            self._touch(es, due, d.blocks, horizon, now, d.clients(held, kept))
         if es.lost:  # forget the losses of sessions no longer protected here
             es.lost = {k: v for k, v in es.lost.items() if k in d.sessions and k not in held}
         self.metrics.overhead_credit.labels(es.name).set(es.signals.overhead.credit)
@@ -274,9 +274,11 @@ class Retention:
         blocks: dict[SessionKey, tuple[int, ...]],
         horizon: float,
         now: float,
+        clients: int = 0,
     ) -> None:
         """Touch what the keep-alive plan picks and what the allocation front reached (none
-        while the guard holds retention back on this engine)."""
+        while the guard holds retention back on this engine); the client-protected sessions
+        first, and a guessed one only within the credit ``clients`` such sessions leave."""
         if self.guards is not None and not self.guards.allows(es.name, now):
             return
         plan = plan_touches(
@@ -288,6 +290,7 @@ class Retention:
                     n_blocks=len(blocks[key_of(s)]),
                     touch_in_flight=key_of(s) in es.in_flight,
                     value=float(max(1, len(blocks[key_of(s)]))),
+                    guessed=s.guessed,
                 )
                 for s in sessions
             ],
@@ -296,7 +299,9 @@ class Retention:
             self._keepalive,
         )
         by_key = {key_of(s): s for s in sessions}
-        for key in {*map(SessionKey._make, plan.touch), *self._urgent(es, sessions)}:
+        picked = {*map(SessionKey._make, plan.touch), *urgent(es, sessions, SAFETY_FRACTION)}
+        reserve = es.signals.overhead.guessed_reserve(clients)
+        for key in sorted(picked, key=lambda k: by_key[k].guessed):
             session = by_key[key]
             if es.lost.get(key) == session.last_used:
                 continue  # found evicted, and nothing new recorded since
@@ -304,7 +309,7 @@ class Retention:
             if current and es.signals.resident(blocks[key]) == 0:
                 mark_lost(es, session, self.metrics)
                 continue
-            reserved = es.signals.overhead.admit_touch()
+            reserved = es.signals.overhead.admit_touch(reserve=reserve * session.guessed)
             if reserved is None:
                 self.metrics.touches.labels(es.name, "over_budget").inc()
                 continue
@@ -327,7 +332,10 @@ class Retention:
         sessions = [s for k, s in d.sessions.items() if k not in held]
         everyone, blocks = {key_of(s) for s in sessions}, d.blocks
         decision = plan_budget(
-            [BudgetSession(key_of(s), blocks[key_of(s)], _value(s, blocks, now)) for s in sessions],
+            [
+                BudgetSession(key_of(s), blocks[key_of(s)], _value(s, blocks, now), s.guessed)
+                for s in sessions
+            ],
             load,
             config,
         )
@@ -339,22 +347,6 @@ class Retention:
         self.metrics.protected_sessions.labels(es.name).set(len(everyone - overridden))
         self.metrics.protected_blocks.labels(es.name).set(decision.protected_blocks)
         return everyone - overridden
-
-    def _urgent(self, es: EngineState, sessions: list[Session]) -> set[SessionKey]:
-        """Sessions the allocation front has moved far past, whatever the time-based plan says.
-
-        Counted in blocks, not seconds: a burst allocates blocks faster than any rate estimate
-        can follow, and ``SAFETY_FRACTION`` of the free queue is the share a prefix may fall back.
-        """
-        signals = es.signals
-        if signals.load is None or not signals.has_events:
-            return set()
-        limit = SAFETY_FRACTION * signals.load.free_blocks
-        return {
-            key_of(s)
-            for s in sessions
-            if key_of(s) not in es.in_flight and signals.tap.allocated_since(s.last_active) >= limit
-        }
 
     def _drives(self, es: EngineState, session: Session) -> bool:
         if session.engine is not None:

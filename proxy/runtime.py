@@ -177,7 +177,7 @@ class Runtime:
     ) -> None:
         ok = False
         with contextlib.suppress(StoreDown):
-            ok = await store.protect(tenant, sid, now, ttl)
+            ok = await store.protect(tenant, sid, now, ttl, guessed=True)
         if ok:
             self.metrics.return_protections.inc()
         elif (tenant, sid) in self._returned:  # not protected after all: the next return asks

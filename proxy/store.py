@@ -187,8 +187,10 @@ class SessionStore(SessionWrites, ProtectedMirror, PinLedger):
         *,
         state: str = "",
         forget_engine: bool = False,
+        guessed: bool = False,
     ) -> bool:
-        """Set (ttl > 0) or drop (ttl == 0) protection, optionally the state; False if unknown."""
+        """Set (ttl > 0) or drop (ttl == 0) protection, optionally the state; False if unknown.
+        ``guessed``: kvkeeper's guess (``policy/returns.py``), ranked after a client's TTL."""
         keys = [self.key("s", tenant, sid), self.dl_key(tenant), *self.feed_keys(tenant)]
         args: list[str | int] = [
             repr(now),
@@ -196,6 +198,7 @@ class SessionStore(SessionWrites, ProtectedMirror, PinLedger):
             state,
             self._member(tenant, sid),
             "1" if forget_engine else "0",
+            "1" if guessed else "0",
         ]
         return bool(await self._call(lambda: self.scripts.call("protect", keys, args)))
 

@@ -59,6 +59,7 @@ class Session:
     last_used: float = 0.0
     last_touch: float = 0.0
     last_prompt_tokens: int = 0
+    guessed: bool = False  # its protection is kvkeeper's guess (policy/returns.py), not a TTL asked
 
     @property
     def last_active(self) -> float:
@@ -93,6 +94,7 @@ BRIEF = (
     "last_touch",
     "parent",
     "last_prompt_tokens",
+    "guessed",
 )
 
 
@@ -118,12 +120,13 @@ def decode_session(
         last_used=float(d.get("last_used", 0)),
         last_touch=float(d.get("last_touch", 0)),
         last_prompt_tokens=int(d.get("last_prompt_tokens", 0)),
+        guessed=d.get("guessed") == "1",
     )
 
 
 def brief_session(row: Sequence[Any]) -> Session:
     """A session from ``protected.lua``'s row: tenant, then the ``BRIEF`` fields in order."""
-    tenant, sid, state, engine, ttl, ttl_until, created, seen, used, touch, parent, lpt = row
+    tenant, sid, state, engine, ttl, ttl_until, created, seen, used, touch, parent, lpt, g = row
     return Session(
         tenant=tenant.decode(),
         session_id=sid.decode(),
@@ -137,6 +140,7 @@ def brief_session(row: Sequence[Any]) -> Session:
         last_used=float(used or 0),
         last_touch=float(touch or 0),
         last_prompt_tokens=int(lpt or 0),
+        guessed=g == b"1",
     )
 
 

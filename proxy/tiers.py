@@ -178,7 +178,11 @@ class TierKeeper:
             bs = es.signals.block_size
             candidates = [
                 PinCandidate(
-                    sk, len(blocks.get(sk, ())) * bs // chunk, s.ttl_left(now), sk in st.pins
+                    sk,
+                    len(blocks.get(sk, ())) * bs // chunk,
+                    s.ttl_left(now),
+                    sk in st.pins,
+                    s.guessed,
                 )
                 for sk, s in by_key.items()
                 if self._candidate(es, st, s, blocks.get(sk, ()))

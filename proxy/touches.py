@@ -204,3 +204,21 @@ def mark_lost(es: EngineState, session: Session, metrics: Metrics) -> None:
     if es.lost.get(key) != session.last_used:
         es.lost[key] = session.last_used
         metrics.touches.labels(es.name, "skipped_lost").inc()
+
+
+def urgent(es: EngineState, sessions: list[Session], safety_fraction: float) -> set[SessionKey]:
+    """Sessions the allocation front has moved far past, whatever the time-based plan says.
+
+    Counted in blocks, not seconds: a burst allocates blocks faster than any rate estimate can
+    follow, and ``safety_fraction`` of the free queue is the share a prefix may fall back.
+    """
+    signals = es.signals
+    if signals.load is None or not signals.has_events:
+        return set()
+    limit = safety_fraction * signals.load.free_blocks
+    return {
+        key
+        for s in sessions
+        if (key := SessionKey(s.tenant, s.session_id)) not in es.in_flight
+        and signals.tap.allocated_since(s.last_active) >= limit
+    }

@@ -85,6 +85,8 @@ local function upsert(k, a)
     fields[#fields + 1] = ttl > 0 and ttl or 0
     fields[#fields + 1] = 'ttl_until'
     fields[#fields + 1] = ttl > 0 and now + ttl or 0
+    fields[#fields + 1] = 'guessed'  -- the client's own TTL: no longer kvkeeper's guess
+    fields[#fields + 1] = 0
   end
   redis.call('HSET', own, unpack(fields))
   redis.call('HINCRBY', own, 'requests', tonumber(ARGV[a + 13] or '1'))

@@ -1,6 +1,8 @@
 """A session back without a TTL hint is protected for the learned return window
 (policy/returns.py, wired in proxy/runtime.py): its first return teaches the window, and
-sessions with a TTL of their own, or on their first request, are left as they asked."""
+sessions with a TTL of their own, or on their first request, are left as they asked. The guess
+is marked as one (ranked after clients' TTLs where retention rations) until the client asks a
+TTL of its own."""
 
 from __future__ import annotations
 
@@ -61,9 +63,18 @@ async def test_a_returning_session_is_protected_for_the_learned_window(
         assert start + 29.0 <= back.ttl_until <= time.time() + 31.0  # 3 x 0.2 s, at least 30 s
         tool = await rt.store.get("default", "tool")
         assert tool is not None and tool.ttl_until <= time.time() + 91.0  # its own TTL
+        assert back.guessed and not tool.guessed
+        mirrored = {s.session_id: s for s in await rt.store.protected(time.time())}
+        assert mirrored["chat"].guessed and not mirrored["tool"].guessed  # what retention reads
         await _post(st, _body("chat"))  # a later return is protected but teaches nothing
         await rt.drain()
         assert rt.returns.samples == 1
+        await _post(st, _body("chat", ttl=60.0))  # the client's own TTL: no longer a guess
+        await rt.settle()
+        asked = await rt.store.get("default", "chat")
+        assert asked is not None and not asked.guessed
+        mirrored = {s.session_id: s for s in await rt.store.protected(time.time())}
+        assert not mirrored["chat"].guessed
 
 
 async def test_off_at_factor_zero(redis_server: RedisServer, namespace: str) -> None:

@@ -81,7 +81,6 @@ class OverheadBudget:
         "estimates",
         "forgiven",
         "spent",
-        "yielded",
     )
 
     def __init__(self, config: OverheadConfig | None = None, touch_estimate: float = 1.0) -> None:
@@ -92,7 +91,6 @@ class OverheadBudget:
         self.spent = 0.0  # recomputed tokens settled so far
         self.declined = 0  # admissions refused so far
         self.forgiven = 0.0  # recompute beyond the debt cap (the guard was charged with it)
-        self.yielded = 0  # of the declined: touches the credit covered, but not the reserve too
 
     def estimate(self, kind: str = SESSION_TOUCH) -> float:
         """The running recompute estimate of one kind of touch."""
@@ -135,7 +133,6 @@ class OverheadBudget:
         keep = min(max(0.0, reserve), self.config.burst_tokens - cost)
         if self.bounded and keep > 0 and self.credit - cost < keep:
             self.declined += 1
-            self.yielded += cost <= self.credit
             return None
         return float(cost) if self.admit(cost) else None
 

@@ -309,10 +309,9 @@ class Retention:
             if current and es.signals.resident(blocks[key]) == 0:
                 mark_lost(es, session, self.metrics)
                 continue
-            yielded = es.signals.overhead.yielded
             reserved = es.signals.overhead.admit_touch(reserve=reserve * session.guessed)
-            if reserved is None:  # yielded: a guess left the credit to client-protected sessions
-                outcome = "yielded" if es.signals.overhead.yielded > yielded else "over_budget"
+            if reserved is None:  # yielded: a guess's touch the credit (and reserve) did not cover
+                outcome = "yielded" if session.guessed else "over_budget"
                 self.metrics.touches.labels(es.name, outcome).inc()
                 continue
             self.touches.spawn_session(es, session, reserved)

@@ -45,8 +45,9 @@ async def test_a_guessed_session_touches_only_with_the_credit_clients_leave(
         es.signals.overhead.credit = 25.0
         retention._touch(es, sessions, blocks, 0.1, time.time() + 5.0, clients=1)
         assert es.in_flight == {SessionKey("default", "client")}
-        yielded = 'outcome="yielded"'  # declined to leave the credit to the client's sessions
+        yielded = 'outcome="yielded"'  # a guess declined: its touch and the reserve not covered
         assert await st.metric("kvkeeper_touches_total", label=yielded) == 1
+        assert await st.metric("kvkeeper_touches_total", label='outcome="over_budget"') == 0
 
         async def settled() -> bool:
             return not es.in_flight

@@ -281,24 +281,24 @@ class Retention:
         first, and a guessed one only within the credit ``clients`` such sessions leave."""
         if self.guards is not None and not self.guards.allows(es.name, now):
             return
+        by_key = {key_of(s): s for s in sessions}
         plan = plan_touches(
             [
                 ProtectedSession(
-                    session_id=key_of(s),
+                    session_id=k,
                     last_active_at=s.last_active,
                     ttl_until=s.ttl_until,
-                    n_blocks=len(blocks[key_of(s)]),
-                    touch_in_flight=key_of(s) in es.in_flight,
-                    value=float(max(1, len(blocks[key_of(s)]))),
+                    n_blocks=len(blocks[k]),
+                    touch_in_flight=k in es.in_flight,
+                    value=float(max(1, len(blocks[k]))),
                     guessed=s.guessed,
                 )
-                for s in sessions
+                for k, s in by_key.items()
             ],
             horizon,
             now,
             self._keepalive,
         )
-        by_key = {key_of(s): s for s in sessions}
         picked = {*map(SessionKey._make, plan.touch), *urgent(es, sessions, SAFETY_FRACTION)}
         reserve = es.signals.overhead.guessed_reserve(clients)
         for key in sorted(picked, key=lambda k: by_key[k].guessed):
@@ -330,12 +330,12 @@ class Retention:
             self.metrics.protected_sessions.labels(es.name).set(len(d.sessions))
             self.metrics.protected_blocks.labels(es.name).set(len(d.refs))
             return None
-        sessions = [s for k, s in d.sessions.items() if k not in held]
-        everyone, blocks = {key_of(s) for s in sessions}, d.blocks
+        sessions = {k: s for k, s in d.sessions.items() if k not in held}  # keyed as key_of
+        everyone, blocks = set(sessions), d.blocks
         decision = plan_budget(
             [
-                BudgetSession(key_of(s), blocks[key_of(s)], _value(s, blocks, now), s.guessed)
-                for s in sessions
+                BudgetSession(k, blocks[k], _value(s, blocks, now), s.guessed)
+                for k, s in sessions.items()
             ],
             load,
             config,

@@ -247,6 +247,8 @@ async def start_router(
         *worker_urls,
         "--log-level",
         "error",
+        "--prometheus-port",  # its own: the default (29000) is taken by any other router running
+        str(free_port()),
     ]
     async with _process(argv, log_dir / f"vllm-router-{policy}-{port}.log") as proc:
         url = f"http://127.0.0.1:{port}"

@@ -348,6 +348,8 @@ async def main() -> None:
                 "cache_aware",
                 "--log-level",
                 "error",
+                "--prometheus-port",
+                str(free_port()),
             ]
         )
         procs.append(router)

@@ -179,15 +179,20 @@ def serve_with_config(config: Path, redis_url: str) -> dict[str, Any]:
     """Start `kvkeeper serve --config` as its image does; its /admin/engines once it answers."""
     port = _free_port()
     env = {**os.environ, "KVKEEPER_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config),
-         "--port", str(port), "--redis", redis_url],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # output to a file, not a pipe nobody reads: its warnings (the compose hosts do not resolve
+    # here) could fill a pipe's buffer and block the server's exit
+    log_path = config.with_suffix(".log")
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config),
+             "--port", str(port), "--redis", redis_url],
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[0]
+            if proc.poll() is not None:
+                raise AssertionError(f"kvkeeper exited: {log_path.read_text()[-3000:]}")
             try:
                 req = urllib.request.Request(
                     f"http://127.0.0.1:{port}/admin/engines",
@@ -198,7 +203,7 @@ def serve_with_config(config: Path, redis_url: str) -> dict[str, Any]:
                     return body
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.2)
-        raise AssertionError("kvkeeper did not answer within 30 s")
+        raise AssertionError(f"kvkeeper did not answer within 30 s: {log_path.read_text()[-3000:]}")
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -35,7 +35,11 @@ class SessionRecord(BaseModel):
     engine: str | None = Field(description="the engine its prefix lives on (None: not routed)")
     created: float = Field(description="epoch seconds")
     last_seen: float = Field(description="epoch seconds")
-    ttl_s: float = Field(description="the protection TTL it asked for")
+    ttl_s: float = Field(description="its protection TTL: asked by the client, or guessed")
+    ttl_guessed: bool = Field(
+        description="the TTL is kvkeeper's guess from its returns (retention.return_ttl_factor), "
+        "ranked after the TTLs clients asked for"
+    )
     ttl_left_s: float
     retention: str = Field(description="its retention class")
     counters: SessionCounters
@@ -56,6 +60,7 @@ class SessionRecord(BaseModel):
             created=s.created,
             last_seen=s.last_seen,
             ttl_s=s.ttl,
+            ttl_guessed=s.guessed,
             ttl_left_s=round(s.ttl_left(now), 3),
             retention=s.retention,
             counters=SessionCounters(**s.counters),

@@ -314,6 +314,7 @@ def _view(
         created=s.created,
         last_seen=s.last_seen,
         ttl_s=s.ttl,
+        ttl_guessed=s.guessed,
         ttl_until=s.ttl_until,
         ttl_left_s=round(s.ttl_left(now), 3),
         blocks=blocks,

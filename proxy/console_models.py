@@ -32,6 +32,7 @@ class ConsoleSession(BaseModel):
     created: float
     last_seen: float
     ttl_s: float
+    ttl_guessed: bool = Field(description="the TTL is kvkeeper's guess, not the client's")
     ttl_until: float = Field(description="epoch seconds; 0 when not protected")
     ttl_left_s: float
     blocks: int | None = Field(description="KV blocks of its prefix (None: not learned yet)")

@@ -82,7 +82,8 @@ def show_text(s: dict[str, Any], now: float) -> str:
         f"last seen  {iso(s.get('last_seen'))}  ({ago(s.get('last_seen'), now)})",
         f"last used  {iso(s.get('last_used'))}   last touch {iso(s.get('last_touch'))}",
         f"ttl        {'-' if ttl is None else f'{float(ttl):.0f}s'}, "
-        f"{float(s.get('ttl_left_s') or 0):.0f}s left",
+        f"{float(s.get('ttl_left_s') or 0):.0f}s left"
+        + (" (guessed from its returns)" if s.get("ttl_guessed") else ""),
         f"requests   {c.get('requests', 0)}   cached/prompt tokens {_tokens(c)}   "
         f"completion tokens {c.get('completion_tokens', 0)}",
         f"retention  touches {c.get('touches', 0)} ({c.get('touch_tokens', 0)} tokens)   "

@@ -189,7 +189,7 @@ async function loadDetail() {
     `<dt>parent</dt><dd>${esc(s.parent_session_id || "–")}</dd>` +
     `<dt>children</dt><dd>${d.children.map(esc).join(", ") || "–"}</dd>` +
     `<dt>engine</dt><dd>${esc(s.engine || "–")}</dd>` +
-    `<dt>TTL</dt><dd>${s.ttl_until > 0 ? `until ${when(s.ttl_until)} (${num(s.ttl_s)} s)` : "not protected"}</dd>` +
+    `<dt>TTL</dt><dd>${s.ttl_until > 0 ? `until ${when(s.ttl_until)} (${num(s.ttl_s)} s${s.ttl_guessed ? ", guessed from its returns" : ""})` : "not protected"}</dd>` +
     `<dt>prefix</dt><dd>${num(s.blocks)} blocks${s.tier_pinned ? ", pinned in the tier" : ""}</dd>` +
     `<dt>resident</dt><dd class="residency">${where}</dd>` +
     `<dt>context</dt><dd>${num(d.context_bytes)} bytes</dd>` +

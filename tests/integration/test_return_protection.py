@@ -12,8 +12,9 @@ from typing import Any
 
 from policy import ReturnWindow, ReturnWindowConfig
 from proxy.runtime import RUNTIME, Runtime
+from proxy.sessions_format import show_text
 from tests.helpers.redis_server import RedisServer
-from tests.integration.proxy_fixtures import Stack, proxy_stack
+from tests.integration.proxy_fixtures import ADMIN_HEADERS, Stack, proxy_stack
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello " * 40}]}
 
@@ -66,6 +67,14 @@ async def test_a_returning_session_is_protected_for_the_learned_window(
         assert back.guessed and not tool.guessed
         mirrored = {s.session_id: s for s in await rt.store.protected(time.time())}
         assert mirrored["chat"].guessed and not mirrored["tool"].guessed  # what retention reads
+        for sid, guessed in (("chat", True), ("tool", False)):  # what an operator reads
+            record = await (
+                await st.client.get(f"/admin/sessions/{sid}", headers=ADMIN_HEADERS)
+            ).json()
+            detail = await st.client.get(f"/admin/console/sessions/{sid}", headers=ADMIN_HEADERS)
+            shown = (await detail.json())["session"]
+            assert record["ttl_guessed"] is guessed and shown["ttl_guessed"] is guessed
+            assert ("guessed from its returns" in show_text(record, time.time())) is guessed
         await _post(st, _body("chat"))  # a later return is protected but teaches nothing
         await rt.drain()
         assert rt.returns.samples == 1
@@ -73,6 +82,8 @@ async def test_a_returning_session_is_protected_for_the_learned_window(
         await rt.settle()
         asked = await rt.store.get("default", "chat")
         assert asked is not None and not asked.guessed
+        record = await (await st.client.get("/admin/sessions/chat", headers=ADMIN_HEADERS)).json()
+        assert record["ttl_guessed"] is False
         mirrored = {s.session_id: s for s in await rt.store.protected(time.time())}
         assert not mirrored["chat"].guessed
 

@@ -250,7 +250,12 @@ def create_app(settings: Settings, *, edits: EditExecutor | None = None) -> web.
             known.forget_all()  # until Redis answers again, every hint registers
 
         store = SessionStore(
-            redis, settings.limits, namespace=settings.namespace, on_error=store_failed
+            redis,
+            settings.limits,
+            namespace=settings.namespace,
+            timeout_s=REDIS_TIMEOUT_S,
+            on_error=store_failed,
+            on_stall=metrics.redis_stalls.inc,
         )
         store_watch.store = store
         store.on_touched = known.touched

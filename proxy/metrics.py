@@ -151,6 +151,11 @@ class Metrics:
         self.redis_errors = Counter(
             "kvkeeper_redis_errors", "Redis failures (data plane failed open)", registry=r
         )
+        self.redis_stalls = Counter(
+            "kvkeeper_redis_stalled_timeouts",
+            "Redis calls timed out because this process's event loop stalled (Redis not held down)",
+            registry=r,
+        )
         self.fail_open = Counter(
             "kvkeeper_fail_open_requests", "Requests forwarded without session features", registry=r
         )

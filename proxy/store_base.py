@@ -35,6 +35,8 @@ T = TypeVar("T")
 # ``answering`` looks at the script connection at most this often (a request arriving in the
 # same millisecond as Redis's end is as likely to have come just before it)
 ANSWERING_FOR_S = 0.001
+# a call timed out this many socket timeouts after it began: the event loop stalled, not Redis
+STALL_FACTOR = 2.0
 _SCRIPTS = (
     "upsert",
     "complete",
@@ -63,12 +65,16 @@ class StoreBase:
         *,
         namespace: str = "kvk",
         cooldown_s: float = 1.0,
+        timeout_s: float | None = None,
         on_error: Callable[[], None] | None = None,
+        on_stall: Callable[[], None] | None = None,
     ) -> None:
         self.redis = redis
         self.limits = limits
         self.ns = namespace
         self._cooldown_s = cooldown_s
+        self._timeout_s = timeout_s  # the clients' socket timeout (None: not known)
+        self._on_stall = on_stall  # told of each timeout put down to a stalled event loop
         self._down_until = 0.0
         self._answered_at = -1e9  # when ``answering`` last found the script connection open
         self._on_error = on_error
@@ -151,9 +157,21 @@ class StoreBase:
             self._answered_at = now
         return ok
 
+    def _stalled(self, exc: Exception, started: float) -> bool:
+        """A timeout that fired at twice its time or later: this process's event loop was
+        blocked (the timer ran late, and before the reply that may have come in time), so it
+        says nothing of Redis. A Redis that is hung times out at about ``timeout_s``."""
+        timeout = self._timeout_s
+        return (
+            isinstance(exc, redis_errors.TimeoutError)
+            and timeout is not None
+            and time.monotonic() - started > STALL_FACTOR * timeout
+        )
+
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         if not self.available:
             raise StoreDown("redis unavailable (cooling down after an error)")
+        started = time.monotonic()
         try:
             return await op()
         # InvalidResponse: the URL names something that is not Redis (an HTTP port ...)
@@ -165,6 +183,10 @@ class StoreBase:
             redis_errors.ReadOnlyError,  # a former master, demoted
             OSError,
         ) as exc:
+            if self._stalled(exc, started):  # this call fails open; the next ones are not held
+                if self._on_stall is not None:
+                    self._on_stall()
+                raise StoreDown(f"redis call late after an event-loop stall: {exc}") from exc
             self._down_until = time.monotonic() + self._cooldown_s
             self._answered_at = -1e9
             if self._on_error is not None:

@@ -50,6 +50,37 @@ def hit_rate_timeline(results: Sequence[RunResult], path: Path, bins: int = 20) 
     return _save(fig, path)
 
 
+def ratio_points(
+    settings: Sequence[tuple[str, Sequence[float | None], Sequence[float | None], float | None]],
+    path: Path,
+) -> Path:
+    """Per setting ``(name, ratios against vanilla, against plain LMCache, noise)``: each
+    round's ratio as a point, the two baselines side by side, a line at 1.0 and the noise band
+    (1 +- noise) shaded behind each setting."""
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(settings) + 2), 4.5))
+    for label, second, dx, marker in (
+        ("against vanilla vLLM", False, -0.15, "o"),
+        ("against plain LMCache", True, 0.15, "s"),
+    ):
+        xs: list[float] = []
+        ys: list[float] = []
+        for i, (_name, vanilla, lmcache, _noise) in enumerate(settings):
+            ratios = [r for r in (lmcache if second else vanilla) if r is not None]
+            xs += [i + dx] * len(ratios)
+            ys += ratios
+        ax.scatter(xs, ys, marker=marker, label=label, alpha=0.8)
+    for i, (_name, _v, _l, noise) in enumerate(settings):
+        if noise:
+            ax.fill_between([i - 0.35, i + 0.35], 1 - noise, 1 + noise, color="0.85", zorder=0)
+    ax.axhline(1.0, color="0.3", linewidth=1)
+    ax.set_xticks(range(len(settings)), [s[0] for s in settings], rotation=20, ha="right")
+    ax.set_ylabel("defaults' mean TTFT / baseline's")
+    ax.set_title("kvkeeper's defaults per round (below 1: faster; grey: noise)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

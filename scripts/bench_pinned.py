@@ -5,7 +5,8 @@ the bench is moved to ``--engine-cpu`` as soon as it appears. Optional busy loop
 (``python3 -c 'while 1: pass'``) start ``--lead-in`` seconds before the bench on the core
 ``--busy-on`` names. ``<out>/pinned.log`` gets ``/proc/loadavg`` every 5 s and, per sim/serve/redis
 child, its CPU time and the time it waited runnable for a CPU (``/proc/PID/task/*/schedstat``).
-Linux only (``os.sched_setaffinity``). Usage:
+Linux only (``os.sched_setaffinity``). ``run_pinned`` is the same for other scripts
+(``scripts/bench_defaults.py``). Usage:
 
     python3 scripts/bench_pinned.py --out DIR --busy 2 --busy-on proxy -- \
         --workload trace --set files=... --targets engine-notier,engine,default
@@ -20,7 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 
 def _children(pid: int) -> list[int]:
@@ -88,15 +91,16 @@ def _schedstat(pid: int) -> tuple[float, float] | None:
     return on, wait
 
 
-def _watch(root: int, cpu: int, stop: threading.Event, log: list[str]) -> None:
-    """Move the bench's simulators to ``cpu`` as they appear (re-checked every 50 ms), and keep
-    each sim/serve/redis child's last CPU and run-queue wait times (sampled every 0.5 s)."""
+def _watch(root: int, cpu: int | None, stop: threading.Event, log: list[str]) -> None:
+    """Move the bench's simulators to ``cpu`` as they appear (re-checked every 50 ms; None:
+    leave them), and keep each sim/serve/redis child's last CPU and run-queue wait times
+    (sampled every 0.5 s)."""
     seen: set[int] = set()
     last: dict[int, tuple[str, float, float, float]] = {}
     n = 0
     while not stop.is_set():
         for pid in _descendants(root):
-            if _is_sim(pid):
+            if cpu is not None and _is_sim(pid):
                 _pin_all(pid, cpu)
                 if pid not in seen:
                     seen.add(pid)
@@ -124,6 +128,66 @@ def _load_log(path: Path, stop: threading.Event) -> None:
             stop.wait(5.0)
 
 
+def run_pinned(
+    out: Path,
+    bench_args: Sequence[str],
+    *,
+    pin: bool = True,
+    proxy_cpu: int = 0,
+    engine_cpu: int = 1,
+    busy: int = 0,
+    busy_on: str = "proxy",
+    lead_in: float = 50.0,
+    stdout: IO[bytes] | None = None,
+) -> int:
+    """Run ``bench compare <bench_args> --out <out>``; its exit code. ``pin``: this process and
+    so the bench on ``proxy_cpu``, the simulators moved to ``engine_cpu`` (False: no affinity
+    set, the load and run-queue waits logged all the same). ``stdout``: the bench's output."""
+    out.mkdir(parents=True, exist_ok=True)
+    logpath = out / "pinned.log"
+    busy_cpu = proxy_cpu if busy_on == "proxy" else engine_cpu
+    loops: list[subprocess.Popen[bytes]] = []
+    rc = 1
+    watcher: threading.Thread | None = None
+    stop = threading.Event()
+    events: list[str] = []
+    loader = threading.Thread(target=_load_log, args=(logpath, stop), daemon=True)
+    loader.start()
+    try:
+        for _ in range(busy):
+            p = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+            os.sched_setaffinity(p.pid, {busy_cpu})
+            loops.append(p)
+        if loops:
+            time.sleep(lead_in)
+        if pin:
+            os.sched_setaffinity(0, {proxy_cpu})  # the bench and its children inherit this
+        cmd = [sys.executable, "-m", "proxy.cli", "bench", "compare", *bench_args]
+        cmd += ["--out", str(out)]
+        with logpath.open("a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} start busy={busy}@cpu{busy_cpu} "
+                    f"{'' if pin else 'unpinned '}{' '.join(cmd)}\n")  # fmt: skip
+        bench = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
+        watcher = threading.Thread(
+            target=_watch,
+            args=(bench.pid, engine_cpu if pin else None, stop, events),
+            daemon=True,
+        )
+        watcher.start()
+        rc = bench.wait()
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join(timeout=5)
+        for p in loops:
+            p.kill()
+            p.wait()
+    with logpath.open("a") as f:
+        f.writelines(e + "\n" for e in events)
+        f.write(f"{time.strftime('%H:%M:%S')} end rc={rc}\n")
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--out", type=Path, required=True, help="bench --out directory")
@@ -135,46 +199,15 @@ def main() -> int:
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench compare args")
     args = ap.parse_args()
     bench_args = [a for a in args.bench_args if a != "--"] if args.bench_args else []
-    args.out.mkdir(parents=True, exist_ok=True)
-    logpath = args.out / "pinned.log"
-    busy_cpu = args.proxy_cpu if args.busy_on == "proxy" else args.engine_cpu
-    busy: list[subprocess.Popen[bytes]] = []
-    rc = 1
-    watcher: threading.Thread | None = None
-    stop = threading.Event()
-    events: list[str] = []
-    loader = threading.Thread(target=_load_log, args=(logpath, stop), daemon=True)
-    loader.start()
-    try:
-        for _ in range(args.busy):
-            p = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
-            os.sched_setaffinity(p.pid, {busy_cpu})
-            busy.append(p)
-        if busy:
-            time.sleep(args.lead_in)
-        os.sched_setaffinity(0, {args.proxy_cpu})  # the bench and its children inherit this
-        cmd = [sys.executable, "-m", "proxy.cli", "bench", "compare", *bench_args]
-        cmd += ["--out", str(args.out)]
-        with logpath.open("a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} start busy={args.busy}@cpu{busy_cpu} "
-                    f"{' '.join(cmd)}\n")  # fmt: skip
-        bench = subprocess.Popen(cmd)
-        watcher = threading.Thread(
-            target=_watch, args=(bench.pid, args.engine_cpu, stop, events), daemon=True
-        )
-        watcher.start()
-        rc = bench.wait()
-    finally:
-        stop.set()
-        if watcher is not None:
-            watcher.join(timeout=5)
-        for p in busy:
-            p.kill()
-            p.wait()
-    with logpath.open("a") as f:
-        f.writelines(e + "\n" for e in events)
-        f.write(f"{time.strftime('%H:%M:%S')} end rc={rc}\n")
-    return rc
+    return run_pinned(
+        args.out,
+        bench_args,
+        proxy_cpu=args.proxy_cpu,
+        engine_cpu=args.engine_cpu,
+        busy=args.busy,
+        busy_on=args.busy_on,
+        lead_in=args.lead_in,
+    )
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ class RoundFigures:
     sim_lag: float | None = None  # the defaults' simulator behind its modelled clock (share)
     load: dict[str, float] = field(default_factory=dict)  # mean 1-min load per target's run
     errors: int = 0
+    utc: str | None = None  # first target's start to last one's end, HH:MM-HH:MM
+    commit: str | None = None  # the code it ran (``commit`` beside the round, when written)
 
 
 @dataclass(slots=True)
@@ -140,7 +142,15 @@ def round_figures(doc: dict[str, Any], label: str, path: Path) -> RoundFigures:
     mine, vanilla = targets.get(DEFAULTS), targets.get(VANILLA)
     lmcache, belady = targets.get(LMCACHE), targets.get(BELADY)
     fig.errors = sum(int(t.get("errors", 0)) for t in targets.values())
-    fig.load = _target_loads(path, list(targets))
+    windows = {n: w for n in targets if (w := _run_window(path / f"{n}.json")) is not None}
+    fig.load = _target_loads(path, windows)
+    if windows:
+        start = min(t0 for t0, _ in windows.values())
+        end = max(t0 + d for t0, d in windows.values())
+        fig.utc = f"{time.strftime('%H:%M', time.gmtime(start))}-"
+        fig.utc += time.strftime("%H:%M", time.gmtime(end))
+    commit = next((p for p in (path / "commit", path.parent / "commit") if p.exists()), None)
+    fig.commit = commit.read_text().strip() if commit else None
     if mine is None:
         return fig
     fig.retention_recomputed = mine.get("retention_recomputed_share")
@@ -184,19 +194,16 @@ def _run_window(path: Path) -> tuple[float, float] | None:
     return (float(m.group(1)), float(m.group(2))) if m else None
 
 
-def _target_loads(round_dir: Path, names: Sequence[str]) -> dict[str, float]:
-    """Mean 1-minute load average while each target ran (``pinned.log``'s 5 s samples)."""
+def _target_loads(round_dir: Path, windows: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean 1-minute load average while each target ran (``pinned.log``'s 5 s samples);
+    ``windows``: each target's (unix start, duration)."""
     log = next((p for p in (round_dir / "pinned.log", round_dir.parent / "pinned.log")
                 if p.exists()), None)  # fmt: skip
     if log is None:
         return {}
     samples = _load_samples(log)
     out: dict[str, float] = {}
-    for name in names:
-        window = _run_window(round_dir / f"{name}.json")
-        if window is None:
-            continue
-        start, duration = window
+    for name, (start, duration) in windows.items():
         t = time.localtime(start)
         day0 = start - (3600 * t.tm_hour + 60 * t.tm_min + t.tm_sec)  # the log's clock is local
         inside = []
@@ -326,16 +333,16 @@ def render_markdown(settings: Sequence[SettingSummary]) -> str:
         f"(`{LMCACHE}`, the tier, no kvkeeper); one cell per round, in round order. TTFT: change "
         "in percent, wall clock / engine time (bold: behind beyond noise at wall clock). Hit rate "
         "in percentage points. Load: mean 1-minute load average while each target ran, lowest-"
-        "highest over the round's targets. Retention: recomputed share of the workload's prompt "
-        "tokens. Gap to Belady engine closed: (defaults - vanilla hit) / (engine-belady - vanilla "
+        "highest over the round's targets. Sim lag: how far the defaults' simulator ran behind "
+        "its modelled clock. Retention: recomputed share of the workload's prompt tokens. Gap to Belady engine closed: (defaults - vanilla hit) / (engine-belady - vanilla "
         f"hit), where that target ran. Verdict on wall-clock TTFT: ahead = mean below 1 - noise "
         f"and p90 not above 1 + noise; behind = mean or p90 above 1 + noise; {NOISE_RULE}.",
         "",
-        "| setting (rounds) | load | hit vs vanilla; vs plain LMCache (pp) "
+        "| setting (rounds) | load | sim lag | hit vs vanilla; vs plain LMCache (pp) "
         "| mean TTFT vs vanilla | p90 TTFT vs vanilla | mean TTFT vs plain LMCache "
         "| p90 TTFT vs plain LMCache | plain LMCache mean vs vanilla | gap to Belady engine closed "
         "| retention recomputed | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in settings:
         rs = s.rounds
@@ -351,14 +358,12 @@ def render_markdown(settings: Sequence[SettingSummary]) -> str:
         gaps = [
             f"{100 * r.gap_to_belady_engine:.0f}%" for r in rs if r.gap_to_belady_engine is not None
         ]
-        ret = [
-            "-" if r.retention_recomputed is None else f"{100 * r.retention_recomputed:.2f}%"
-            for r in rs
-        ]
+        ret = [_share(r.retention_recomputed, "{:.2f}%") for r in rs]
+        lag = [_share(r.sim_lag, "{:.1f}%") for r in rs]
         errors = sum(r.errors for r in rs)
         name = f"{s.title} ({len(rs)}{f', {errors} errors' if errors else ''})"
         lines.append(
-            f"| {name} | {_cells(loads)} | {_cells(hits)} "
+            f"| {name} | {_cells(loads)} | {_cells(lag)} | {_cells(hits)} "
             f"| {_cells([_pair(r.vs_vanilla, 'mean', s.noise) for r in rs])} "
             f"| {_cells([_pair(r.vs_vanilla, 'p90', s.noise) for r in rs])} "
             f"| {_cells([_pair(r.vs_lmcache, 'mean', s.noise) for r in rs])} "
@@ -366,9 +371,24 @@ def render_markdown(settings: Sequence[SettingSummary]) -> str:
             f"| {_cells([_pct(r.lmcache_vs_vanilla.get('mean')) for r in rs])} "
             f"| {_cells(gaps)} | {_cells(ret)} | {_verdict_cell(s)} |"
         )
-    lines += ["", "Rounds: " + "; ".join(f"{s.name} {', '.join(r.label for r in s.rounds)}"
-                                          for s in settings)]  # fmt: skip
+    lines += ["", "Rounds (UTC, code where recorded):", ""]
+    for s in settings:
+        rounds = [
+            f"{r.label} ({', '.join(x for x in (r.utc, r.commit) if x) or '-'})" for r in s.rounds
+        ]
+        lines.append(f"- {s.name}: {'; '.join(rounds)}")
+    lines += ["", "Commands (`python scripts/bench_defaults.py --out DIR` runs them all):", ""]
+    for s in settings:
+        if s.name in SETTINGS:
+            args = " ".join(SETTINGS[s.name].args)
+            lines.append(
+                f"    kvkeeper bench compare {args} --base {VANILLA} --targets ... --out DIR"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _share(v: float | None, fmt: str) -> str:
+    return "-" if v is None else fmt.format(100 * v)
 
 
 def _signed(v: float | None) -> str:

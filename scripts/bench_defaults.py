@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,19 @@ from loadgen.defaults_bench import (  # noqa: E402
 
 def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def _commit() -> str:
+    """This checkout's commit, ``+changes`` when tracked files differ from it."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def _say(text: str) -> None:
@@ -106,6 +120,7 @@ def main() -> int:
         _say(f"{head}: start{' (pinned)' if pinned else ''}")
         t0 = time.monotonic()
         out.mkdir(parents=True, exist_ok=True)
+        (out / "commit").write_text(_commit() + "\n")
         with (root / name / f"r{k}.log").open("ab") as log:
             rc = run_pinned(out, cmd, pin=pinned, stdout=log)
         failed += rc != 0

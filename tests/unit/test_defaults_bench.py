@@ -97,6 +97,7 @@ def results(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_summary_of_real_runs(results: Path) -> None:
+    (results / "fanout" / "r1" / "commit").write_text("24131b4\n")  # as bench_defaults.py does
     swarm, fanout = write_summary(results)
     assert (swarm.name, fanout.name) == ("swarm", "fanout")  # section 1's order
 
@@ -131,8 +132,14 @@ def test_summary_of_real_runs(results: Path) -> None:
     assert swarm.rounds[0].retention_recomputed == pytest.approx(0.009964, abs=1e-6)
     assert swarm.rounds[0].load == {}  # no pinned.log
 
+    assert (r1.utc, r1.commit) == ("16:37-16:38", "24131b4")
+    assert r1.sim_lag == 0.0
+
     md = (results / "summary.md").read_text()
-    assert "| fan-out (2) | 0.3-0.3, 0.4-0.5 | +39.6; +0.0, +39.6; +0.0 " in md
+    assert "| fan-out (2) | 0.3-0.3, 0.4-0.5 | 0.0%, 0.0% | +39.6; +0.0, +39.6; +0.0 " in md
+    assert "- fanout: 1 (16:37-16:38, 24131b4); 2 (16:38-16:39)" in md
+    assert "- swarm: 1.1 (-); 1.2 (-)" in md  # the trimmed swarm runs kept no run files
+    assert "kvkeeper bench compare --workload fanout --set jobs=8 --profile h100-llama8b" in md
     assert "**+14.0 / +13.4**, **+13.7 / +13.4**" in md  # behind plain LMCache: bold
     assert "vs vanilla: ahead 1, behind 0 of 2; vs plain LMCache: ahead 1, behind 0 of 2 " in md
     doc = json.loads((results / "summary.json").read_text())

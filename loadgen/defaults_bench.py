@@ -190,8 +190,13 @@ def _run_window(path: Path) -> tuple[float, float] | None:
             head = f.read(65536)
     except OSError:
         return None
-    m = _RUN_TIMES.search(head)
-    return (float(m.group(1)), float(m.group(2))) if m else None
+    if m := _RUN_TIMES.search(head):
+        return float(m.group(1)), float(m.group(2))
+    try:  # not near the top: read it all
+        doc = json.loads(path.read_text())
+        return float(doc["started_at"]), float(doc["duration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _target_loads(round_dir: Path, windows: dict[str, tuple[float, float]]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from loadgen.compare_cli import spec_from_args
 from loadgen.defaults_bench import (
     DEFAULT_TARGETS,
     SETTINGS,
+    _run_window,
     bench_args,
     round_figures,
     round_verdict,
@@ -189,3 +190,12 @@ def test_script_summarizes_and_refuses_bad_settings(results: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "unknown setting(s) traces-d" in bad.stderr
+
+
+def test_run_window_past_the_head_of_a_run_file(tmp_path: Path) -> None:
+    """A run file whose start lies past the 64 KB read first (large params) is read whole."""
+    run = {"workload": "trace", "params": {"files": "x" * 70_000}, "started_at": 1796488667.5,
+           "duration": 12.25, "requests": []}  # fmt: skip
+    (tmp_path / "engine.json").write_text(json.dumps(run, indent=1))
+    assert _run_window(tmp_path / "engine.json") == (1796488667.5, 12.25)
+    assert _run_window(tmp_path / "missing.json") is None

@@ -28,9 +28,11 @@ from loadgen.defaults_bench import (
     SETTINGS,
     _run_window,
     bench_args,
+    render_markdown,
     round_figures,
     round_verdict,
     setting_order,
+    summarize_setting,
     write_summary,
 )
 from loadgen.workloads.base import Workload
@@ -150,14 +152,19 @@ def test_summary_of_real_runs(results: Path) -> None:
 
 
 def test_gap_to_the_belady_engine() -> None:
-    """(defaults - vanilla hit) / (engine-belady - vanilla hit), where that target ran."""
+    """(defaults - vanilla hit) / (engine-belady - vanilla hit), where that target ran, beside
+    the gap to the realized Belady ceiling that ``bench compare`` measured."""
     doc = json.loads((DATA / "fanout" / "r1" / "compare.json").read_text())
     targets = doc["targets"]
     targets["engine-belady"] = {**targets["engine-notier"], "hit_rate": 0.6}
+    targets["default"]["gap_closed"] = 0.734
     vanilla, mine = targets["engine-notier"]["hit_rate"], targets["default"]["hit_rate"]
     fig = round_figures(doc, "1", DATA / "missing")
     assert fig.gap_to_belady_engine == pytest.approx((mine - vanilla) / (0.6 - vanilla))
+    assert fig.gap_closed == 0.734
     assert fig.load == {}
+    row = render_markdown([summarize_setting("fanout", [fig])]).splitlines()[6]
+    assert f"| 73% [{100 * fig.gap_to_belady_engine:.0f}%] |" in row
 
 
 @pytest.mark.parametrize(

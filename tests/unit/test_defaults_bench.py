@@ -1,6 +1,7 @@
 """``scripts/bench_defaults.py``'s settings and summary (``loadgen/defaults_bench.py``).
 
-The summary is read from ``data/defaults_bench/``, trimmed from real ``bench compare`` output
+The summary is read from ``data/defaults_bench.json`` (a results directory, file path to
+text), trimmed from real ``bench compare`` output
 (the fields the summary reads; run files keep only their start and duration): ``fanout/`` from
 ``python scripts/bench_defaults.py --only fanout --rounds 2 -- --set jobs=2 --set workers=2
 --time-scale 0.2`` (pinned, with its ``pinned.log``), ``swarm/r1/`` from a swarm invocation
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +38,7 @@ from loadgen.defaults_bench import (
 from loadgen.workloads.base import Workload
 from proxy.cli import build_parser
 
-DATA = Path(__file__).parent / "data" / "defaults_bench"
+FIXTURE = Path(__file__).parent / "data" / "defaults_bench.json"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -85,9 +85,11 @@ def test_rounds_alternate_settings_and_targets() -> None:
 
 @pytest.fixture
 def results(tmp_path: Path) -> Iterator[Path]:
-    """A copy of the fixture; the load log's clock is the local one of the machine that wrote
-    it (UTC)."""
-    shutil.copytree(DATA, tmp_path / "res")
+    """The fixture as a results directory; the load log's clock is the local one of the machine
+    that wrote it (UTC)."""
+    for rel, text in json.loads(FIXTURE.read_text()).items():
+        (tmp_path / "res" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "res" / rel).write_text(text)
     old = os.environ.get("TZ")
     os.environ["TZ"] = "UTC"
     time.tzset()
@@ -151,15 +153,15 @@ def test_summary_of_real_runs(results: Path) -> None:
     assert (results / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_gap_to_the_belady_engine() -> None:
+def test_gap_to_the_belady_engine(results: Path) -> None:
     """(defaults - vanilla hit) / (engine-belady - vanilla hit), where that target ran, beside
     the gap to the realized Belady ceiling that ``bench compare`` measured."""
-    doc = json.loads((DATA / "fanout" / "r1" / "compare.json").read_text())
+    doc = json.loads((results / "fanout" / "r1" / "compare.json").read_text())
     targets = doc["targets"]
     targets["engine-belady"] = {**targets["engine-notier"], "hit_rate": 0.6}
     targets["default"]["gap_closed"] = 0.734
     vanilla, mine = targets["engine-notier"]["hit_rate"], targets["default"]["hit_rate"]
-    fig = round_figures(doc, "1", DATA / "missing")
+    fig = round_figures(doc, "1", results / "missing")
     assert fig.gap_to_belady_engine == pytest.approx((mine - vanilla) / (0.6 - vanilla))
     assert fig.gap_closed == 0.734
     assert fig.load == {}

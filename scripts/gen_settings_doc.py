@@ -89,7 +89,8 @@ def render() -> str:
     for group, rows in groups.items():
         field = Settings.model_fields.get(group.rstrip("[]"))
         model = _model_of(field.annotation) if field is not None else None
-        doc = (model.__doc__ or "").strip().splitlines()[0] if model is not None else ""
+        # the docstring's first paragraph, joined (a first line may end mid-sentence)
+        doc = " ".join((model.__doc__ or "").split("\n\n")[0].split()) if model else ""
         out.append(f"\n## {group}\n")
         if doc:
             out.append(f"{doc}\n")

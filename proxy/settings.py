@@ -146,7 +146,11 @@ class RetentionSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=True, description="Run the retention worker at all.")
-    tick_s: float = Field(default=0.5, gt=0, description="Seconds between retention ticks.")
+    tick_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds between retention ticks (more while ticks run slow).",
+    )
     touch_deadline_s: float = Field(
         default=1.0,
         gt=0,
@@ -164,7 +168,7 @@ class RetentionSettings(BaseModel):
         le=100,
         description="A session that returns without a TTL hint is protected for this many "
         "times the median pause before sessions' first returns, learned online "
-        "(policy/returns.py; 0: off).",
+        "(policy/returns.py), ranked after the TTLs clients ask (0: off).",
     )
     max_overhead_share: float | None = Field(
         default=0.01,

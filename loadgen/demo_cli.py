@@ -82,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--num-blocks",
         type=int,
         default=None,
-        help="KV pool in blocks of 32 (sim: half the round's peak working set; --real: 200)",
+        help="KV pool in blocks of 32 (half the round's peak working set; --real: at least 129)",
     )
     p.add_argument(
         "--tier-blocks", type=int, default=None, help="the simulator's CPU tier (the pool's size)"

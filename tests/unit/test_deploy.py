@@ -132,7 +132,8 @@ def test_compose_file_is_valid_and_wires_the_stack(name: str) -> None:
     model = next(a for a in args if a.startswith("--model=")).split("=", 1)[1]
     assert engine["lmcache"]["model_name"] == model  # LMCache keys carry the engine's --model
     assert engine["lmcache"]["server_url"].endswith(":9280")
-    assert str(settings["retention"]["hash_seed"]) == vllm["environment"]["PYTHONHASHSEED"]
+    assert str(settings["cache"]["hash_seed"]) == vllm["environment"]["PYTHONHASHSEED"]
+    assert_current_names(settings)
     assert (
         services["lmcache-server"]["environment"]["PYTHONHASHSEED"]
         == vllm["environment"]["PYTHONHASHSEED"]
@@ -140,6 +141,14 @@ def test_compose_file_is_valid_and_wires_the_stack(name: str) -> None:
     kvk = services["kvkeeper"]
     assert kvk["environment"]["KVKEEPER_REDIS_URL"].startswith("redis://redis:6379")
     assert kvk["environment"]["KVKEEPER_ADMIN_TOKEN"] == "test-token"
+
+
+def assert_current_names(settings: dict[str, Any]) -> None:
+    """A deploy file shows the current setting names: no legacy flat ``retention:`` alias."""
+    from proxy.settings_compat import LEGACY_RETENTION_KEYS
+
+    legacy = set(settings.get("retention") or {}) & set(LEGACY_RETENTION_KEYS)
+    assert not legacy, f"legacy retention.* names in a deploy config: {sorted(legacy)}"
 
 
 def _compose_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -548,7 +557,8 @@ def test_kvkeeper_starts_with_the_rendered_configmap(
             ("engine-b:8000", "http://engine-b:8000"),
         ]
     settings = yaml.safe_load(config.read_text())
-    assert settings["retention"]["hash_seed"] == "0"
+    assert settings["cache"]["hash_seed"] == "0" and settings["tier"]["pin_share"] == 0
+    assert_current_names(settings)
 
 
 def test_chart_external_engines_and_redis() -> None:

@@ -1,7 +1,7 @@
 """``kvkeeper demo``: vanilla vLLM, vLLM + plain LMCache, and vLLM + LMCache + kvkeeper, side by side.
 
-It plays one agent swarm (a supervisor and specialised workers whose long system prompts,
-the anchors, every user session shares, with tool pauses between turns) against three stacks on
+It plays one agent swarm (a supervisor and specialised workers whose long system prompts and
+tool definitions every user session shares, with tool pauses between turns) against three stacks on
 the engine simulator (a vLLM-exact block pool under cache pressure, Llama-3.1-8B on one H100
 timing), each on fresh processes. The pool holds half the swarm's peak working set.
 

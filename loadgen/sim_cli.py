@@ -15,6 +15,15 @@ from loadgen.sim.server import SimConfig, serve_forever
 _D = SimConfig()
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless its help already names it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "sim",
@@ -26,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "/kv_event_sources. Ports of 0 bind ephemeral ports; once listening it prints "
             "'KVKEEPER_SIM_READY {json}' with the real endpoints."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (HTTP and ZMQ)")
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")

@@ -228,6 +228,15 @@ def test_help_texts_name_defaults_and_version(capsys: pytest.CaptureFixture[str]
         with pytest.raises(SystemExit):
             main(argv)
         assert needle in " ".join(capsys.readouterr().out.split())
+    # a help that names its default in words gets no second, empty one from the formatter
+    with pytest.raises(SystemExit):
+        main(["sim", "--help"])
+    sim_help = " ".join(capsys.readouterr().out.split())
+    assert "(default: vLLM's LRU)" in sim_help and "(default: )" not in sim_help
+    assert "(default: 0)" in sim_help  # the other options keep theirs
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "anchor" not in capsys.readouterr().out  # the name of a retired feature
 
 
 def test_engines_table_shows_the_hash_check_and_tier_pins() -> None:

@@ -129,6 +129,8 @@ def test_summary_of_real_runs(results: Path) -> None:
         [1.09138, 0.88236], abs=1e-5
     )
     assert swarm.noise == pytest.approx(0.20902, abs=1e-5)
+    # p90 has its own noise: plain LMCache's p90 against vanilla +11.3% then -33.3%
+    assert swarm.noise_p90 == pytest.approx(1.11343 - 0.66689, abs=1e-5)
     assert [r.vs_vanilla["mean"] for r in swarm.rounds] == pytest.approx(
         [0.81888, 0.76745], abs=1e-5
     )
@@ -182,6 +184,13 @@ def test_gap_to_the_belady_engine(results: Path) -> None:
 )
 def test_round_verdict(ratios: dict[str, float], noise: float, verdict: str | None) -> None:
     assert round_verdict(ratios, noise) == verdict
+
+
+def test_p90_is_judged_against_its_own_noise() -> None:
+    """p90 moves more than the mean between rounds; its own measured noise judges it."""
+    assert round_verdict({"mean": 0.8, "p90": 1.08}, 0.05, 0.1) == "ahead"
+    assert round_verdict({"mean": 0.8, "p90": 1.12}, 0.05, 0.1) == "behind"
+    assert round_verdict({"mean": 0.8, "p90": 1.08}, 0.05) == "behind"  # the mean's noise
 
 
 def test_script_summarizes_and_refuses_bad_settings(results: Path) -> None:

@@ -2,7 +2,8 @@
 LMCache on every setting, several rounds, then ``summary.md`` / ``summary.json`` / ``summary.png``.
 
     python scripts/bench_defaults.py --out DIR [--rounds N] [--only traces-a,swarm,...] \\
-        [--pinned/--no-pinned] [--targets engine-notier,engine,default] [-- EXTRA BENCH ARGS]
+        [--pinned/--no-pinned] [--busy N --busy-on proxy|engine] \\
+        [--targets engine-notier,engine,default] [-- EXTRA BENCH ARGS]
     python scripts/bench_defaults.py --summarize DIR
 
 Settings (``loadgen/defaults_bench.py``): traces-a, traces-b, traces-c, swarm, fanout,
@@ -12,7 +13,8 @@ One ``bench compare`` per setting and round, its ``--out`` ``DIR/<setting>/r<k>/
 in ``DIR/<setting>/r<k>.log``; a round whose ``compare.json`` is already there is not run again
 (so a larger ``--rounds`` on the same DIR adds rounds). Pinned (the default, with two CPUs or
 more): the bench, kvkeeper and Redis on CPU 0, every simulator on CPU 1
-(``scripts/bench_pinned.py``). ``EXTRA BENCH ARGS`` go to every bench after the setting's own,
+(``scripts/bench_pinned.py``); ``--busy N`` adds N busy loops on the core ``--busy-on`` names,
+started 50 s before each bench, for rounds under load. ``EXTRA BENCH ARGS`` go to every bench after the setting's own,
 e.g. ``-- --set jobs=2`` for a short check.
 """
 
@@ -74,6 +76,9 @@ def _parse() -> argparse.Namespace:
         default=True,
         help="simulators on CPU 1, the rest on CPU 0 (default; needs two CPUs)",
     )
+    ap.add_argument("--busy", type=int, default=0, help="busy loops beside every bench")
+    ap.add_argument("--busy-on", choices=["proxy", "engine"], default="proxy",
+                    help="the core the busy loops run on (pinned; default: the proxy's)")  # fmt: skip
     ap.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="bench targets")
     ap.add_argument("--summarize", type=Path, metavar="DIR", help="only write DIR's summary")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra bench compare args")
@@ -117,12 +122,13 @@ def main() -> int:
             _say(f"{head}: already there, skipped")
             continue
         cmd = bench_args(SETTINGS[name], args.target_list, k, [*args.extra, "--no-progress"])
-        _say(f"{head}: start{' (pinned)' if pinned else ''}")
+        busy = f", {args.busy} busy loops on the {args.busy_on}'s core" if args.busy else ""
+        _say(f"{head}: start{' (pinned)' if pinned else ''}{busy}")
         t0 = time.monotonic()
         out.mkdir(parents=True, exist_ok=True)
         (out / "commit").write_text(_commit() + "\n")
         with (root / name / f"r{k}.log").open("ab") as log:
-            rc = run_pinned(out, cmd, pin=pinned, stdout=log)
+            rc = run_pinned(out, cmd, pin=pinned, busy=args.busy, busy_on=args.busy_on, stdout=log)
         failed += rc != 0
         status = "done" if rc == 0 else f"exit {rc} (see {out}.log)"
         _say(f"{head}: {status} in {_clock(time.monotonic() - t0)}, "

@@ -49,9 +49,9 @@ from loadgen.workloads.hints import HintPolicy
 from proxy.children import interrupt_on_sigterm
 
 # The swarm benchmark's setting (BENCHMARKS.md, swarm-p50-tier) scaled to 8 users per round:
-# 6 agents with 2-8K-token anchors; pauses x0.25 on a simulator 4x faster keep the timeline's
-# shape in the engine's modelled time. The pool is half the round's peak working set (blocks of
-# 32), the tier as large.
+# 6 agents with 2-8K-token shared system prompts; pauses x0.25 on a simulator 4x faster keep the
+# timeline's shape in the engine's modelled time. The pool is half the round's peak working set
+# (blocks of 32), the tier as large.
 SWARM: dict[str, Any] = {"users": 8}
 ROUNDS = 3
 
@@ -165,7 +165,7 @@ async def demo(args: argparse.Namespace) -> int:
     if args.tier_blocks is None:
         args.tier_blocks = args.num_blocks
     print(
-        f"kvkeeper demo: agent swarm ({args.users} users, 6 agents with shared anchors, tool "
+        f"kvkeeper demo: agent swarm ({args.users} users, 6 agents with shared system prompts, tool "
         f"pauses) on a simulated H100 engine with {args.num_blocks} KV blocks "
         f"(half the working set) and a {args.tier_blocks}-block CPU tier; {args.rounds} "
         "round(s), each playing the three stacks in a rotated order",

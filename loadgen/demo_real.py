@@ -77,7 +77,7 @@ async def demo_real(args: argparse.Namespace) -> int:
     blocks = args.num_blocks or real_pool(workload, time_scale)
     print(
         f"kvkeeper demo --real: agent swarm ({params['users']} users, {params['agents']} agents "
-        f"with shared anchors, tool pauses x{time_scale:g}) on vLLM-on-CPU (SmolLM2-135M, "
+        f"with shared system prompts, tool pauses x{time_scale:g}) on vLLM-on-CPU (SmolLM2-135M, "
         f"{blocks} KV blocks of 32, at least half the working set) and the LMCache MP server "
         f"(L1 {args.l1_gb} GB); {args.rounds} round(s), the three stacks in a rotated order",
         flush=True,

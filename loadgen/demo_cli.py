@@ -48,7 +48,7 @@ from loadgen.workloads.base import Workload
 from loadgen.workloads.hints import HintPolicy
 from proxy.children import interrupt_on_sigterm
 
-# The swarm benchmark's setting (BENCHMARKS.md, swarm-p50-tier) scaled to 8 users per round:
+# The swarm benchmark's setting (BENCHMARKS.md section 1) scaled to 8 users per round:
 # 6 agents with 2-8K-token shared system prompts; pauses x0.25 on a simulator 4x faster keep the
 # timeline's shape in the engine's modelled time. The pool is half the round's peak working set
 # (blocks of 32), the tier as large.

@@ -312,12 +312,13 @@ class VLLMAdapter:
     async def tokenize(self, route: str, body: dict[str, Any]) -> list[int]:
         """Token ids for ``body`` on ``route``, exactly as the engine will hash them."""
         prompt = body.get("prompt")
+        # token-id prompts are used verbatim (checked by type at C speed: a prompt is 100K ids)
         if (
             route == COMPLETION_ROUTE
             and isinstance(prompt, list)
-            and all(isinstance(t, int) for t in prompt)
+            and set(map(type, prompt)) <= {int}
         ):
-            return list(prompt)  # token-id prompts are used verbatim
+            return list(prompt)
         answer = await self._request_json(
             "POST", "/tokenize", tokenize_body(route, body, self.model)
         )

@@ -68,6 +68,7 @@ class ContextCache:
         self.misses += 1
         await asyncio.sleep(0)  # between the read and decoding it, the loop's other work
         ctx = decode_context(blob)
+        await asyncio.sleep(0)  # decoded: what uses it after the loop's other work
         old = self._views.get(key)
         previous = {**old.previous, **old.chains} if old is not None else {}
         size = len(blob) * _BODY_PER_BLOB_BYTE + sum(map(_chain_bytes, previous.values()))

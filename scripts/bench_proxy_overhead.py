@@ -16,6 +16,23 @@ a noisy shared machine disturbs least). Rounds are interleaved so drift hits all
     python scripts/bench_proxy_overhead.py [--requests 2000] [--rounds 3] [--router PATH]
 
 Writes results/proxy_overhead.json and prints a Markdown table.
+
+``--saturate`` measures capacity instead: closed loop at ``--sat-c`` clients (256), each target
+for ``--seconds`` per round after ``--warmup``, rounds interleaved, the clients spread over
+``--load-procs`` load processes (each its own aiohttp client on uvloop), the upstream in
+``--upstream-procs`` processes sharing its port (SO_REUSEPORT), the parts pinned to their own
+cores with ``--pin proxy=0-5,upstream=6-9,redis=10,load=11-15`` (kvkeeper's workers and the
+router's threads inherit the proxy's set). Targets: direct, aiohttp-floor, vllm-router
+cache_aware and round_robin, kvkeeper unhinted and hinted at each ``--workers`` count. Per target:
+req/s, latency percentiles, proxy cores used and CPU per request, Redis CPU per request, and the
+load processes' own CPU (all, and the busiest one: the load generator is not the limit while
+direct runs far faster and no load process is near one core). Writes
+results/proxy_saturation.json (after every round) and prints a table and the ratios issue 29
+asks for: hinted req/s at the most workers, scaling as a fraction of linear, hinted CPU per
+request over vllm-router cache_aware's.
+
+    python scripts/bench_proxy_overhead.py --saturate --workers 1,6 --load-procs 5 \
+        --upstream-procs 4 --pin proxy=0-5,upstream=6-9,redis=10,load=11-15
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -38,7 +56,7 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-BODY = {
+BODY: dict[str, Any] = {
     "model": "bench",
     "messages": [{"role": "user", "content": "Say hi. " * 40}],
     "max_tokens": 8,
@@ -85,7 +103,8 @@ def free_port() -> int:
 
 
 # --- the upstream (run in its own process with --serve-upstream) -----------------------------
-def serve_upstream(port: int) -> None:
+def upstream_app() -> Any:
+    """The fast upstream: answers every chat completion at once with the same small body."""
     from aiohttp import web
 
     async def chat(request: web.Request) -> web.Response:
@@ -102,10 +121,15 @@ def serve_upstream(port: int) -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    _run(app, port)
+    return app
 
 
-def _run(app: Any, port: int) -> None:
+def serve_upstream(port: int, reuse_port: bool = False) -> None:
+    """The upstream in a process of its own; with ``reuse_port`` several share the port."""
+    _run(upstream_app(), port, reuse_port)
+
+
+def _run(app: Any, port: int, reuse_port: bool = False) -> None:
     """Serve ``app`` on uvloop when installed, quietly (the bench servers' own processes)."""
     from aiohttp import web
 
@@ -115,7 +139,9 @@ def _run(app: Any, port: int) -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    web.run_app(
+        app, host="127.0.0.1", port=port, access_log=None, print=None, reuse_port=reuse_port or None
+    )
 
 
 def serve_floor(port: int, upstream: str) -> None:
@@ -149,17 +175,25 @@ def serve_floor(port: int, upstream: str) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------------
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (kvkeeper's workers, a pool's children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its live children, from /proc."""
+    """utime + stime of a process and all its live descendants, from /proc."""
     total = 0.0
     tick = os.sysconf("SC_CLK_TCK")
-    pids = [pid]
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(c) for c in children]
-    except OSError:
-        pass
-    for p in pids:
+    for p in descendants(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
@@ -182,14 +216,27 @@ async def wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up within {timeout_s}s")
 
 
-def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    log = open(ROOT / "results" / f"bench-{Path(cmd[0]).name}-{len(cmd)}.log", "wb")  # noqa: SIM115
+LOG_DIR = ROOT / "results"
+
+
+def spawn(
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
+    tag: str = "",
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session, its output in a log file, pinned to ``cpus`` if given
+    (threads and processes it starts inherit the set)."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    name = f"bench-{Path(cmd[0]).name}-{tag or len(cmd)}.log"
+    log = open(LOG_DIR / name, "wb")  # noqa: SIM115
     return subprocess.Popen(
         cmd,
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
         start_new_session=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
 
 
@@ -283,8 +330,35 @@ async def main() -> None:
         help="add kvkeeper+hints with retention disabled (the request path's share of the cost)",
     )
     ap.add_argument("--no-floor", action="store_true", help="leave out the aiohttp floor target")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "proxy_overhead.json")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default under results/)")
+    sat = ap.add_argument_group(
+        "saturation (--saturate)",
+        "closed loop at high concurrency, each target for --seconds per round (rounds "
+        "interleaved), from several load processes, cores pinned: req/s, proxy cores used and "
+        "CPU per request, the load generator's own CPU",
+    )
+    sat.add_argument("--saturate", action="store_true", help="run the saturation mode")
+    sat.add_argument("--sat-c", default="256", help="closed-loop clients in all (comma list)")
+    sat.add_argument("--seconds", type=float, default=5.0, help="measured window per target")
+    sat.add_argument("--warmup", type=float, default=1.0, help="load before each window")
+    sat.add_argument("--load-procs", type=int, default=1, help="load generator processes")
+    sat.add_argument("--upstream-procs", type=int, default=1, help="upstream processes")
+    sat.add_argument(
+        "--pin", default="", help="CPUs per role, e.g. proxy=0-5,upstream=6-9,redis=10,load=11-15"
+    )
+    sat.add_argument("--router-policies", default="cache_aware,round_robin")
+    sat.add_argument("--sessions", type=int, default=500, help="hinted sessions in the load")
+    sat.add_argument("--only", default="", help="only these targets (comma list; direct stays)")
+    sat.add_argument("--log-dir", type=Path, default=None, help="the servers' logs (results/)")
     args = ap.parse_args()
+    if args.log_dir is not None:
+        global LOG_DIR
+        LOG_DIR = args.log_dir
+    if args.saturate:
+        args.out = args.out or ROOT / "results" / "proxy_saturation.json"
+        await saturate(args)
+        return
+    args.out = args.out or ROOT / "results" / "proxy_overhead.json"
 
     up_port, router_port, redis_port = free_port(), free_port(), free_port()
     floor_port = free_port()
@@ -511,9 +585,468 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --- saturation: closed loop from several load processes, cores pinned ------------------------
+PIN_ROLES = ("proxy", "upstream", "redis", "load")
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def parse_cpus(token: str) -> set[int]:
+    """``3`` or ``0-5`` -> the CPU numbers it names."""
+    lo, sep, hi = token.strip().partition("-")
+    try:
+        first = int(lo)
+        last = int(hi) if sep else first
+    except ValueError:
+        raise ValueError(f"bad CPU range {token!r} (want N or N-M)") from None
+    if first < 0 or last < first:
+        raise ValueError(f"bad CPU range {token!r} (want N or N-M with N <= M)")
+    return set(range(first, last + 1))
+
+
+def parse_pin(spec: str) -> dict[str, set[int]]:
+    """``proxy=0-5,upstream=6-9,redis=10,load=11-15`` -> CPUs per role; a range with no ``role=``
+    belongs to the role before it (``proxy=0-2,4``). Roles: proxy, upstream, redis, load."""
+    pins: dict[str, set[int]] = {}
+    role: str | None = None
+    for token in (t.strip() for t in spec.split(",")):
+        if not token:
+            continue
+        if "=" in token:
+            role, token = (x.strip() for x in token.split("=", 1))
+            if role not in PIN_ROLES:
+                raise ValueError(f"unknown role {role!r} in --pin (roles: {', '.join(PIN_ROLES)})")
+            if role in pins:
+                raise ValueError(f"role {role!r} given twice in --pin")
+            pins[role] = set()
+        if role is None:
+            raise ValueError(f"--pin {spec!r}: CPUs before any role=")
+        pins[role] |= parse_cpus(token)
+    return pins
+
+
+def split_clients(total: int, procs: int) -> list[int]:
+    """``total`` closed-loop clients over at most ``procs`` load processes, as evenly as possible."""
+    procs = max(1, min(procs, total))
+    base, extra = divmod(total, procs)
+    return [base + (1 if i < extra else 0) for i in range(procs)]
+
+
+def request_bodies(hinted: bool, sessions: int, prompt_chars: int) -> list[bytes]:
+    """The request bodies a load process cycles through, serialised once: one plain body, or one
+    per session (agent_hint session + TTL, like the latency mode's hinted requests)."""
+    base = agent_body(prompt_chars)
+    if not hinted:
+        return [json.dumps(base).encode()]
+    return [
+        json.dumps(
+            {
+                **base,
+                "agent_hint": {
+                    "session_id": f"s{k}",
+                    "cache_control": {"type": "ephemeral", "ttl": 300},
+                },
+            }
+        ).encode()
+        for k in range(max(1, sessions))
+    ]
+
+
+def load_worker(cfg_json: str) -> None:
+    """One load process (``--load-worker CONFIG``): prints ``ready``, reads the measuring window
+    ``t_start t_end`` (wall clock) from stdin, runs its closed-loop clients until ``t_end`` and
+    prints its report as one JSON line: latencies (µs) and errors of the requests that ended in
+    the window, and its own CPU seconds over the window."""
+    cfg = json.loads(cfg_json)
+    print("ready", flush=True)
+    t_start, t_end = (float(x) for x in sys.stdin.readline().split())
+    try:
+        import uvloop
+
+        report = uvloop.run(_load_window(cfg, t_start, t_end))
+    except ImportError:
+        report = asyncio.run(_load_window(cfg, t_start, t_end))
+    print(json.dumps(report), flush=True)
+
+
+async def _load_window(cfg: dict[str, Any], t_start: float, t_end: float) -> dict[str, Any]:
+    bodies = request_bodies(cfg["hinted"], cfg["sessions"], cfg["prompt_chars"])
+    url, offset = cfg["url"], cfg["offset"]
+    lat: list[int] = []
+    errors = 0
+    clock: dict[str, float] = {}
+
+    async def window_clock() -> None:
+        await asyncio.sleep(max(0.0, t_start - time.time()))
+        clock["late_s"] = time.time() - t_start
+        clock["cpu0"] = time.process_time()
+        await asyncio.sleep(max(0.0, t_end - time.time()))
+        clock["cpu1"] = time.process_time()
+
+    async def client(s: aiohttp.ClientSession, w: int) -> None:
+        nonlocal errors
+        i = (offset + w) * 7919
+        while time.time() < t_end:
+            body = bodies[i % len(bodies)]
+            i += 1
+            t0 = time.perf_counter()
+            try:
+                async with s.post(url, data=body, headers=JSON_HEADERS) as r:
+                    await r.read()
+                    ok = r.status == 200
+            except (aiohttp.ClientError, OSError):
+                ok = False
+            if t_start <= time.time() <= t_end:
+                if ok:
+                    lat.append(int((time.perf_counter() - t0) * 1e6))
+                else:
+                    errors += 1
+            if not ok:  # a failing target is not spun on
+                await asyncio.sleep(0.01)
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        await asyncio.gather(window_clock(), *(client(s, w) for w in range(cfg["clients"])))
+    return {
+        "lat_us": lat,
+        "errors": errors,
+        "cpu_s": clock["cpu1"] - clock["cpu0"],
+        "late_s": clock["late_s"],
+    }
+
+
+def aggregate(parts: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
+    """One target's window from its load processes' reports: total req/s, latency percentiles
+    over every request, and the load processes' own CPU (all of them, and the busiest one)."""
+    lat = sorted(x for p in parts for x in p["lat_us"])
+    cpu = [float(p["cpu_s"]) for p in parts]
+
+    def ms(q: float) -> float | None:
+        return pct(lat, q) / 1e3 if lat else None
+
+    return {
+        "requests": len(lat),
+        "errors": sum(int(p["errors"]) for p in parts),
+        "rps": len(lat) / window_s,
+        "p50_ms": ms(0.5),
+        "p99_ms": ms(0.99),
+        "p999_ms": ms(0.999),
+        "load_cores": sum(cpu) / window_s,
+        "load_busiest_proc": max(cpu, default=0.0) / window_s,
+        "load_late_s": max((float(p["late_s"]) for p in parts), default=0.0),
+    }
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A target's rounds in one row: medians, the errors summed, each round's req/s kept."""
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    keys = (
+        "rps", "p50_ms", "p99_ms", "p999_ms", "proxy_cores", "proxy_cpu_us_per_req",
+        "redis_cpu_us_per_req", "upstream_cores", "load_cores", "load_busiest_proc",
+    )  # fmt: skip
+    out: dict[str, Any] = {k: med(k) for k in keys}
+    out["errors"] = sum(r["errors"] for r in rounds)
+    out["rps_rounds"] = [round(r["rps"], 1) for r in rounds]
+    return out
+
+
+def wtag(n: int) -> str:
+    return "" if n == 1 else f" w{n}"
+
+
+def saturation_ratios(row: dict[str, Any], worker_counts: list[int]) -> dict[str, float | None]:
+    """The issue's figures: hinted req/s at the most workers, scaling from the fewest to the most
+    workers as a fraction of linear, and CPU per request against vllm-router cache_aware."""
+    lo, hi = min(worker_counts), max(worker_counts)
+
+    def get(name: str, key: str) -> float | None:
+        value = row.get(name, {}).get(key)
+        return None if value is None else float(value)
+
+    def div(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    hinted_hi, plain_hi = f"kvkeeper+hints{wtag(hi)}", f"kvkeeper{wtag(hi)}"
+    out: dict[str, float | None] = {f"hinted_rps_w{hi}": get(hinted_hi, "rps")}
+    if hi != lo:
+        for short, name in (("hinted", "kvkeeper+hints"), ("unhinted", "kvkeeper")):
+            low = get(f"{name}{wtag(lo)}", "rps")
+            out[f"{short}_scaling_w{lo}_to_w{hi}_of_linear"] = div(
+                get(f"{name}{wtag(hi)}", "rps"), None if low is None else low * hi / lo
+            )
+    router_cpu = get("vllm-router", "proxy_cpu_us_per_req")
+    for n in sorted({lo, hi}):
+        out[f"hinted_cpu_w{n}_over_router_cache_aware"] = div(
+            get(f"kvkeeper+hints{wtag(n)}", "proxy_cpu_us_per_req"), router_cpu
+        )
+    out[f"hinted_cpu_over_unhinted_w{hi}"] = div(
+        get(hinted_hi, "proxy_cpu_us_per_req"), get(plain_hi, "proxy_cpu_us_per_req")
+    )
+    out[f"direct_rps_over_hinted_w{hi}"] = div(get("direct", "rps"), get(hinted_hi, "rps"))
+    out[f"router_round_robin_rps_over_hinted_w{hi}"] = div(
+        get("vllm-router rr", "rps"), get(hinted_hi, "rps")
+    )
+    return out
+
+
+def render_saturation(results: dict[str, dict[str, Any]], cpus: dict[str, int]) -> str:
+    lines = [
+        f"cores: {', '.join(f'{k} {v}' for k, v in cpus.items())}",
+        "",
+        "| c | target | req/s (median) | req/s per round | p50 ms | p99 ms | proxy cores used | proxy CPU µs/req | Redis CPU µs/req | upstream cores | load cores (busiest proc) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for c, row in results.items():
+        for name, d in row.items():
+            if name.startswith("_"):
+                continue
+            rounds = "/".join(f"{x:,.0f}" for x in d["rps_rounds"])
+            lines.append(
+                f"| {c} | {name} | {f(d['rps'], ',.0f')} | {rounds} | {f(d['p50_ms'], '.2f')} | "
+                f"{f(d['p99_ms'], '.2f')} | {f(d['proxy_cores'], '.2f')} | "
+                f"{f(d['proxy_cpu_us_per_req'], '.0f')} | {f(d['redis_cpu_us_per_req'], '.0f')} | "
+                f"{f(d['upstream_cores'], '.2f')} | {f(d['load_cores'], '.2f')} "
+                f"({f(d['load_busiest_proc'], '.2f')}) | {d['errors']} |"
+            )
+    for c, row in results.items():
+        shown = "; ".join(f"{k} = {v:.2f}" for k, v in row["_ratios"].items() if v is not None)
+        lines.append(f"\nc={c}: {shown}")
+    return "\n".join(lines)
+
+
+async def saturate(args: argparse.Namespace) -> None:
+    """Each target in turn, closed loop at each concurrency, for ``--seconds`` per round from
+    ``--load-procs`` load processes; the proxy's CPU read over the same window."""
+    pins = parse_pin(args.pin)
+    available = os.sched_getaffinity(0)
+    for role, cpus in pins.items():
+        if not cpus <= available:
+            raise SystemExit(f"--pin {role}: CPUs {sorted(cpus - available)} are not available")
+    pins.setdefault("redis", pins.get("upstream", set()))
+    proxy_cpus = pins.get("proxy") or None
+    load_cpus = sorted(pins.get("load", set()))
+    worker_counts = [int(x) for x in args.workers.split(",")]
+    procs: list[subprocess.Popen[bytes]] = []
+    metrics_dirs: dict[int, Path] = {}
+
+    up_port, redis_port = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    upstream_procs = [
+        spawn(
+            [sys.executable, __file__, "--serve-upstream", str(up_port), "reuse"],
+            cpus=pins.get("upstream") or None,
+            tag=f"upstream{i}",
+        )
+        for i in range(args.upstream_procs)
+    ]
+    procs += upstream_procs
+    redis = spawn(
+        ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+        cpus=pins["redis"] or None,
+    )
+    procs.append(redis)
+    # name -> (url, pid of the proxy or None, hinted, health path)
+    targets: dict[str, tuple[str, int | None, bool, str]] = {
+        "direct": (upstream, None, False, "/health")
+    }
+    if not args.no_floor:
+        port = free_port()
+        floor = spawn(
+            [sys.executable, __file__, "--serve-floor", str(port), upstream],
+            cpus=proxy_cpus,
+            tag="floor",
+        )
+        procs.append(floor)
+        targets["aiohttp-floor"] = (f"http://127.0.0.1:{port}", floor.pid, False, "/health")
+    if args.router:
+        for policy in [p for p in args.router_policies.split(",") if p]:
+            port = free_port()
+            router = spawn(
+                [
+                    *shlex.split(args.router), "--host", "127.0.0.1", "--port", str(port),
+                    "--worker-urls", upstream, "--policy", policy, "--log-level", "error",
+                    "--prometheus-port", str(free_port()),
+                ],
+                cpus=proxy_cpus,
+                tag=f"router-{policy}",
+            )  # fmt: skip
+            procs.append(router)
+            name = "vllm-router" if policy == "cache_aware" else f"vllm-router {policy}"
+            name = name.replace("round_robin", "rr")
+            targets[name] = (f"http://127.0.0.1:{port}", router.pid, False, "/health")
+    for n in worker_counts:
+        port = free_port()
+        env = {}
+        if n > 1:  # each worker's counters in files of its own: requests per worker
+            metrics_dirs[n] = Path(tempfile.mkdtemp(prefix=f"bench-w{n}-"))
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dirs[n])
+        kvk = spawn(
+            [
+                sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
+                "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0",
+                "--log-level", "WARNING", "--workers", str(n),
+            ],
+            env,
+            cpus=proxy_cpus,
+            tag=f"kvkeeper-w{n}",
+        )  # fmt: skip
+        procs.append(kvk)
+        url = f"http://127.0.0.1:{port}"
+        targets[f"kvkeeper{wtag(n)}"] = (url, kvk.pid, False, "/healthz")
+        targets[f"kvkeeper+hints{wtag(n)}"] = (url, kvk.pid, True, "/healthz")
+    if args.only:
+        keep = set(args.only.split(","))
+        targets = {k: v for k, v in targets.items() if k in keep or k == "direct"}
+
+    def window(name: str, c: int) -> dict[str, Any]:
+        url, pid, hinted, _ = targets[name]
+        shares = split_clients(c, args.load_procs)
+        loaders = []
+        for i, clients in enumerate(shares):
+            cfg = {
+                "url": url + "/v1/chat/completions", "clients": clients, "hinted": hinted,
+                "sessions": args.sessions, "prompt_chars": args.prompt_chars,
+                "offset": sum(shares[:i]),
+            }  # fmt: skip
+            cpus = {load_cpus[i % len(load_cpus)]} if load_cpus else None
+            if load_cpus and len(shares) > len(load_cpus):
+                cpus = set(load_cpus)
+            loaders.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--load-worker", json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
+                    text=True,
+                )
+            )
+        try:
+            for p in loaders:
+                assert p.stdout is not None and p.stdin is not None
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"a load process for {name} did not start")
+            t_start = time.time() + args.warmup
+            t_end = t_start + args.seconds
+            for p in loaders:
+                assert p.stdin is not None
+                p.stdin.write(f"{t_start} {t_end}\n")
+                p.stdin.close()
+            time.sleep(max(0.0, t_start - time.time()))
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            rcpu0 = cpu_seconds(redis.pid)
+            ucpu0 = sum(cpu_seconds(u.pid) for u in upstream_procs)
+            time.sleep(max(0.0, t_end - time.time()))
+            cpu1 = cpu_seconds(pid) if pid else 0.0
+            rcpu1 = cpu_seconds(redis.pid)
+            ucpu1 = sum(cpu_seconds(u.pid) for u in upstream_procs)
+            parts = []
+            for p in loaders:
+                assert p.stdout is not None
+                out = p.stdout.read()  # ends by t_end + one request (30 s at most)
+                if p.wait(timeout=30) != 0:
+                    raise RuntimeError(f"a load process for {name} exited {p.returncode}")
+                parts.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for p in loaders:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        row = aggregate(parts, args.seconds)
+        n = max(1, row["requests"])
+        row["proxy_cores"] = (cpu1 - cpu0) / args.seconds if pid else None
+        row["proxy_cpu_us_per_req"] = (cpu1 - cpu0) / n * 1e6 if pid else None
+        row["redis_cpu_us_per_req"] = (
+            (rcpu1 - rcpu0) / n * 1e6 if name.startswith("kvkeeper") else None
+        )
+        row["upstream_cores"] = (ucpu1 - ucpu0) / args.seconds
+        return row
+
+    try:
+        await wait_http(upstream + "/health")
+        for url, _, _, health in targets.values():
+            await wait_http(url + health, 120)
+        cpus_used = {
+            "available": len(available),
+            **{role: len(pins[role]) for role in PIN_ROLES if pins.get(role)},
+            "load procs": min(args.load_procs, max(1, min(int(x) for x in args.sat_c.split(",")))),
+            "upstream procs": args.upstream_procs,
+        }
+        print(f"saturation: {cpus_used}; targets: {', '.join(targets)}", file=sys.stderr)
+        results: dict[str, dict[str, Any]] = {}
+        raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+        def write() -> None:  # after every round: a run cut short still leaves its rounds
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "mode": "saturate",
+                        "seconds": args.seconds,
+                        "warmup": args.warmup,
+                        "rounds": args.rounds,
+                        "concurrency": args.sat_c,
+                        "load_procs": args.load_procs,
+                        "upstream_procs": args.upstream_procs,
+                        "sessions": args.sessions,
+                        "prompt_chars": args.prompt_chars,
+                        "pin": {role: sorted(cpus) for role, cpus in pins.items()},
+                        "cpus": cpus_used,
+                        "python": sys.version.split()[0],
+                        "results": results,
+                        "rounds_raw": raw,
+                        "requests_per_worker": spread,
+                    },
+                    indent=2,
+                )
+            )
+
+        spread: dict[int, list[float]] = {}
+        for c in (int(x) for x in args.sat_c.split(",")):
+            per: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+            raw[str(c)] = per
+            for rnd in range(args.rounds):
+                order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
+                for name in order:
+                    row = window(name, c)
+                    per[name].append(row)
+                    print(
+                        f"c={c} round {rnd + 1}/{args.rounds} {name}: {row['rps']:,.0f} req/s, "
+                        f"proxy {row['proxy_cores'] or 0:.2f} cores, "
+                        f"load {row['load_cores']:.2f} cores (busiest {row['load_busiest_proc']:.2f}), "
+                        f"{row['errors']} errors",
+                        file=sys.stderr,
+                    )
+                results[str(c)] = {name: summarize(rows) for name, rows in per.items()}
+                results[str(c)]["_ratios"] = saturation_ratios(results[str(c)], worker_counts)
+                write()
+        spread = {n: requests_per_worker(folder) for n, folder in metrics_dirs.items()}
+        write()
+        print(render_saturation(results, cpus_used))
+        for n, counts in spread.items():
+            if counts:
+                print(
+                    f"workers={n}: requests per worker {counts} "
+                    f"(max/min {max(counts) / min(counts):.2f})"
+                )
+    finally:
+        for p in procs:
+            stop(p)
+        for folder in metrics_dirs.values():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-upstream":
-        serve_upstream(int(sys.argv[2]))
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--serve-upstream":
+        serve_upstream(int(sys.argv[2]), reuse_port=sys.argv[3:] == ["reuse"])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--load-worker":
+        load_worker(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "--serve-floor":
         serve_floor(int(sys.argv[2]), sys.argv[3])
     else:

@@ -1036,7 +1036,7 @@ async def saturate(args: argparse.Namespace) -> None:
                     f"(max/min {max(counts) / min(counts):.2f})"
                 )
     finally:
-        for p in procs:
+        for p in reversed(procs):  # the proxies before Redis and the upstream
             stop(p)
         for folder in metrics_dirs.values():
             shutil.rmtree(folder, ignore_errors=True)

@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--workers",
         type=int,
-        help="processes sharing the port (default: the usable cores, at most 4)",
+        help="processes sharing the port (default: the usable cores or the container's CPU limit, at most 4)",
     )
     p.set_defaults(func=run)
 

@@ -285,7 +285,7 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         le=64,
-        description="Processes sharing the port (null: the usable cores, at most 4).",
+        description="Processes sharing the port (null: the usable cores or the container's CPU limit, at most 4).",
     )
 
     @model_validator(mode="before")

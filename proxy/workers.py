@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event as MPEvent
+from pathlib import Path
 from typing import Any
 
 from proxy.settings import Settings
@@ -30,18 +32,40 @@ from proxy.settings import Settings
 log = logging.getLogger("kvkeeper.workers")
 
 MAX_DEFAULT_WORKERS = 4
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # the container's own cgroup (cgroup namespaces)
 RESTART_BACKOFF_S = 1.0
 
 
-def worker_count(asked: int | None) -> int:
-    """``asked``, else the cores this process may run on, at most ``MAX_DEFAULT_WORKERS``."""
+def worker_count(asked: int | None, cgroup_root: Path = CGROUP_ROOT) -> int:
+    """``asked``, else the cores this process may run on (its CPU quota's, in a container
+    that has one), at most ``MAX_DEFAULT_WORKERS``."""
     if asked is not None:
         return asked
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    quota = cpu_quota(cgroup_root)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
     return max(1, min(cores, MAX_DEFAULT_WORKERS))
+
+
+def cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs this process's cgroup may use (a container's CPU limit), None when unlimited or
+    unknown: cgroup v2's ``cpu.max``, else v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        v1 = root / "cpu"
+        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+        period_us = int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def probe_port(host: str, port: int) -> None:

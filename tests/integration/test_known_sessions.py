@@ -204,10 +204,10 @@ async def test_a_repeating_session_registers_again_after_known_for_s(
         setattr(store, "upsert", counted)  # noqa: B010
         async with asyncio.timeout(10):
             assert await _post(st, _hinted("r")) == (200, "accepted")
-            start = time.monotonic()
-            while time.monotonic() - start < 0.5:
+            while len(registered) < 2:  # repeats until one registers synchronously again
                 assert await _post(st, _hinted("r")) == (200, "accepted")
                 await rt.settle()  # its upsert written behind, answered briefly
                 await asyncio.sleep(0.02)
-        assert len(registered) == 2 and 0.3 <= registered[1] - registered[0] < 0.45
+        # not before known_for_s; soon after it (the bound leaves room for a loaded machine)
+        assert len(registered) == 2 and 0.3 <= registered[1] - registered[0] < 1.0
         assert rt.known.repeats > 5

@@ -169,7 +169,6 @@ class RetentionView(BaseModel):
     tier_pinned: TierPins | None
     touches_in_flight: int
     touch_latency_s: float
-    touch_deadline_s: float
     touch_trimmed_blocks: int
     guard: GuardView | None
     scheduling_policy: str | None

@@ -113,7 +113,7 @@ def build_retention(
         states.append(EngineState(engine=engine, tier=tier))
     r = settings.retention
     blocks = BlockCache(store, {es.name: es for es in states})
-    touches = TouchRunner(store, blocks, metrics, r.touch_deadline_s)
+    touches = TouchRunner(store, blocks, metrics)
     return Retention(
         store,
         states,

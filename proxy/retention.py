@@ -105,9 +105,7 @@ class Retention:
                 )
             )
         self.blocks = blocks or BlockCache(store, self.engines)
-        self.touches = touches or TouchRunner(
-            store, self.blocks, metrics, settings.touch_deadline_s
-        )
+        self.touches = touches or TouchRunner(store, self.blocks, metrics)
         self.tiers = tiers
         # retention's measured effect per engine: touches, warm-ups and new pins stop where
         # their cost outweighs the hits they bought (policy/guard.py)
@@ -135,11 +133,11 @@ class Retention:
         # A stop flag as well as cancel(): a cancellation swallowed deep inside a client library
         # must not leave a worker running (or stop() waiting for it) forever.
         self._stopping.set()
-        tasks = [*self._tasks, *self.touches.tasks()]
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        await self.touches.finish()  # touches in flight end rather than being aborted
         for es in self.engines.values():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
@@ -381,7 +379,6 @@ class Retention:
             else None,
             touches_in_flight=len(es.in_flight),
             touch_latency_s=round(es.touch_latency.get(), 4),
-            touch_deadline_s=round(self.touches.deadline_s, 3),
             touch_trimmed_blocks=es.trimmed_blocks,
             guard=GuardView.model_validate(guard) if guard is not None else None,
             scheduling_policy=getattr(es.adapter, "scheduling_policy", None),

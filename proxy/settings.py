@@ -151,11 +151,6 @@ class RetentionSettings(BaseModel):
         gt=0,
         description="Seconds between retention ticks (more while ticks run slow).",
     )
-    touch_deadline_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="A touch not served by then waits in the engine's queue: abandoned.",
-    )
     budget_share: float = Field(
         default=0.5,
         gt=0,

@@ -16,6 +16,7 @@ LEGACY_RETENTION_KEYS: dict[str, tuple[str, str]] = {
 RETIRED_KEYS = frozenset(
     {
         "retention.touch_deadline_steps",
+        "retention.touch_deadline_s",  # touches are never abandoned (proxy/touches.py)
         "anchors.enabled",
         "retention.anchors",
         "retention.tier_pin_anchors",

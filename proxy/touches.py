@@ -1,8 +1,10 @@
 """Keep-alive touches and warm-ups: running them, their deadline, and the session replay.
 
 A touch is a one-token request over a prefix that moves it to LRU's safe end. The runner is
-driven by the retention tick: it holds the tasks (cancelled on stop), settles each one's overhead credit, and abandons a touch the engine
-has not served within the deadline.
+driven by the retention tick: it holds the tasks, settles each one's overhead credit, and counts
+a touch the engine served after ``TOUCH_LATE_S`` as late. kvkeeper never aborts a touch it sent:
+vLLM with an asynchronous KV connector (LMCache) dies when a request it is loading KV for is
+aborted (vllm-project/vllm#43226); a queued touch holds one of retention's touch slots, no blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from adapters.base import AdapterError, TouchResult
@@ -30,20 +32,19 @@ class PrefixLost(Exception):
     """A touch found none of the session's prefix left on the engine."""
 
 
-class TouchLate(Exception):
-    """A touch the engine did not serve within its deadline (abandoned)."""
+# a keep-alive touch served later than this is counted ``late`` (it still ran: never aborted)
+TOUCH_LATE_S = 1.0
+# on stop, how long touches in flight may finish before they are cancelled (aborted)
+STOP_GRACE_S = 5.0
 
 
 class TouchRunner:
-    """Runs touches as tasks under a deadline; replays recorded sessions."""
+    """Runs touches as tasks; replays recorded sessions."""
 
-    def __init__(
-        self, store: SessionStore, blocks: BlockCache, metrics: Metrics, deadline_s: float
-    ) -> None:
+    def __init__(self, store: SessionStore, blocks: BlockCache, metrics: Metrics) -> None:
         self.store = store
         self.blocks = blocks
         self.metrics = metrics
-        self.deadline_s = deadline_s
         self.guards: Guards | None = None  # set by Retention: what touches cost, what they kept
         self._tasks: set[asyncio.Task[int]] = set()
 
@@ -81,17 +82,14 @@ class TouchRunner:
     def tasks(self) -> list[asyncio.Task[int]]:
         return list(self._tasks)
 
-    async def in_time(self, touch: Awaitable[TouchResult], *, warmup: bool = False) -> TouchResult:
-        """A keep-alive touch not served within the deadline is waiting in the engine's queue,
-        where it holds nothing: it is abandoned (``TouchLate``; the engine aborts a request
-        whose client left). Warm-ups are asked for and always run to the end."""
-        if warmup:
-            return await touch
-        try:
-            async with asyncio.timeout(self.deadline_s):
-                return await touch
-        except TimeoutError:
-            raise TouchLate from None
+    async def finish(self) -> None:
+        """Let the touches in flight end (at most ``STOP_GRACE_S``), then cancel the rest:
+        a stopping kvkeeper aborts no request it need not (see the module docstring)."""
+        pending = list(self._tasks)
+        if pending:
+            await asyncio.wait(pending, timeout=STOP_GRACE_S)
+        for task in pending:
+            task.cancel()
 
     def spawn_session(self, es: EngineState, session: Session, reserved: float) -> None:
         key = SessionKey(session.tenant, session.session_id)
@@ -114,10 +112,6 @@ class TouchRunner:
             )
         except PrefixLost:
             mark_lost(es, session, self.metrics)
-            return 0
-        except TouchLate:
-            es.touch_latency.add(self.deadline_s)
-            self.metrics.touches.labels(es.name, "late").inc()
             return 0
         except (AdapterError, StoreDown, ValueError) as exc:
             self.metrics.touches.labels(es.name, "failed").inc()
@@ -171,11 +165,9 @@ class TouchRunner:
             # so a prompt of exactly N blocks would recompute (and not refresh) the N-th
             tokens = tokens[: max(1, offset) * signals.block_size + 1]
             signals.sent(len(tokens))
-            result = await self.in_time(
-                adapter.touch_tokens(tokens, cache_salt=salt), warmup=warmup
-            )
+            result = await adapter.touch_tokens(tokens, cache_salt=salt)
         else:
-            result = await self.in_time(adapter.touch(ctx.route, ctx.prefix_body()), warmup=warmup)
+            result = await adapter.touch(ctx.route, ctx.prefix_body())
             signals.sent(result.prompt_tokens)  # (its length known only now)
         now = time.time()
         signals.note_used(await self.blocks.blocks_of(key), now)
@@ -190,7 +182,8 @@ class TouchRunner:
             self.metrics.warmup_recomputed_tokens.inc(recomputed)
         else:
             es.touch_latency.add(result.seconds)
-            self.metrics.touches.labels(es.name, "ok").inc()
+            outcome = "late" if result.seconds > TOUCH_LATE_S else "ok"
+            self.metrics.touches.labels(es.name, outcome).inc()
             self.metrics.touch_prompt_tokens.inc(result.prompt_tokens)
             self.metrics.touch_recomputed_tokens.inc(recomputed)
         return result

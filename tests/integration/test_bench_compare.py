@@ -57,8 +57,8 @@ def spec(tmp_path: Path, targets: tuple[str, ...], frac: float, **kw: object) ->
         (("full", "full+unbounded"), 1, None, [("full", None), ("full+unbounded", None)]),
         (("none+priority", "full+priority"), 2, None,
          [("none+priority", None), ("full+priority", None)]),
-        (("full+pins@tier_pin_share=0.8", "full@touch_deadline_s=2@budget_share=0.3"), 1, None,
-         [("full+pins@tier_pin_share=0.8", None), ("full@touch_deadline_s=2@budget_share=0.3", None)]),
+        (("full+pins@tier_pin_share=0.8", "full@return_ttl_factor=3@budget_share=0.3"), 1, None,
+         [("full+pins@tier_pin_share=0.8", None), ("full@return_ttl_factor=3@budget_share=0.3", None)]),
         (("engine", "engine-belady"), 1, None, [("engine", None), ("engine-belady", None)]),
         (("engine-belady", "engine"), 1, None,
          [("engine-belady", "eviction by the future needs an earlier target's timeline: name it after "
@@ -102,15 +102,15 @@ def test_plan_rejects_a_bad_target_setting(name: str, error: str) -> None:
 
 
 async def test_a_target_setting_reaches_kvkeeper(tmp_path: Path) -> None:
-    """``full@touch_deadline_s=2.5`` plays ``full`` with that setting in kvkeeper's config."""
+    """``full@return_ttl_factor=2.5`` plays ``full`` with that setting in kvkeeper's config."""
     workload = small_swarm()
-    name = "full@touch_deadline_s=2.5"
+    name = "full@return_ttl_factor=2.5"
     doc = await run_compare(workload, spec(tmp_path, (name,), 0.5))
     assert doc["targets"][name]["requests"] == workload.n_calls()
     assert doc["targets"][name]["manage"]  # full hints: the client sent management requests
     (config,) = (tmp_path / "cmp" / "logs").glob("kvkeeper-*.yaml")
     retention = yaml.safe_load(config.read_text())["retention"]
-    assert retention["touch_deadline_s"] == 2.5
+    assert retention["return_ttl_factor"] == 2.5
 
 
 def test_cli_registers_compare() -> None:

@@ -13,6 +13,7 @@ import proxy.app
 import proxy.block_cache
 import proxy.forward
 import proxy.retention
+import proxy.touches
 from adapters.base import AdapterError
 from policy.guard import GuardConfig
 from policy.overhead import OverheadBudget, OverheadConfig
@@ -627,17 +628,15 @@ async def test_prefetch_with_a_tier_counts_what_the_tier_kept(
         assert lost["detail"]["tier_tokens"] == 0 and lost["detail"]["missing_blocks"] == 63
 
 
-async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
+async def test_a_touch_the_engine_serves_late_is_never_aborted(
     redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the engine, 100,000x slower than the profile, cannot serve a touch within the deadline
-    # (a step takes ~8 s). On a loaded machine a touch may be abandoned before it even reached
-    # the engine (the simulator shares this event loop): then there is nothing for the engine to
-    # abort, and the touch is sent again; every touch must be late, and every one that arrived
-    # must be aborted. Whether one arrived is an event (the engine's add_request). A loaded
-    # machine, not Redis, stalls calls past the fail-fast 0.5 s here: not what this is about.
-    monkeypatch.setattr(proxy.app, "REDIS_TIMEOUT_S", 5.0)
-    async with sim_stack(redis_server.url, namespace, tick_s=3600, touch_deadline_s=0.25) as st:
+    # vLLM with an asynchronous KV connector (LMCache) dies when a request it is loading KV for
+    # is aborted (vllm-project/vllm#43226): a touch kvkeeper sent runs to its end however long
+    # the engine takes, and is then counted late, with what it refreshed and recomputed. Here
+    # the engine is slowed down until a touch takes several times TOUCH_LATE_S.
+    monkeypatch.setattr(proxy.touches, "TOUCH_LATE_S", 0.2)
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
         retention, es, session, blocks = await _protected(st, "slow")
         assert len(blocks) == 63
 
@@ -648,31 +647,53 @@ async def test_a_touch_the_engine_does_not_serve_in_time_is_abandoned(
 
         assert await wait_for(resident), es.signals.resident_prefix(blocks)
         engine = st.sim.engine
+        fast = engine.config
+        engine.config = replace(fast, speed=fast.speed / 200)
+        try:
+            started = time.monotonic()
+            async with asyncio.timeout(30):
+                await retention.touches.touch_session(es, session)
+            took = time.monotonic() - started
+        finally:
+            engine.config = fast
+        assert took > 0.2, took
+        assert engine.stats.finished.get("abort", 0) == 0, engine.stats.finished
+        assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == 1
+        assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 0
+        assert await st.metric("kvkeeper_touch_prompt_tokens_total") >= 63 * 32
+
+
+async def test_stopping_retention_lets_touches_in_flight_finish(
+    redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kvkeeper that stops (a rolling restart) lets its touches end instead of aborting them
+    on the engine, within the grace it gives them."""
+    async with sim_stack(redis_server.url, namespace, tick_s=3600) as st:
+        retention, es, session, _ = await _protected(st, "stopping")
+        engine = st.sim.engine
         arrived: list[object] = []
         add_request = engine.add_request
 
         def counted(*args: object, **kwargs: object) -> object:
-            req = add_request(*args, **kwargs)  # type: ignore[arg-type]
-            arrived.append(req)
-            return req
+            arrived.append(add_request(*args, **kwargs))  # type: ignore[arg-type]
+            return arrived[-1]
 
         monkeypatch.setattr(engine, "add_request", counted)
         fast = engine.config
-        engine.config = replace(fast, speed=fast.speed / 100_000)
-        for sent in range(1, 6):
-            await retention.touches.touch_session(es, session)
-            assert await st.metric("kvkeeper_touches_total", label='outcome="late"') == sent
-            assert await st.metric("kvkeeper_touch_prompt_tokens_total") == 0  # nothing counted
-            if arrived:
-                break
-        assert arrived, "no touch reached the engine in 5 tries"
+        engine.config = replace(fast, speed=fast.speed / 200)
+        try:
+            retention.touches.spawn_session(es, session, 0.0)
 
-        # the engine aborted it (the client left), as vLLM does, and freed its slot
-        async def aborted() -> bool:
-            return engine.stats.finished.get("abort", 0) == len(arrived)  # each that arrived
+            async def reached() -> bool:
+                return bool(arrived)
 
-        assert await wait_for(aborted), (engine.stats.finished, len(arrived))
-        engine.config = fast
+            assert await wait_for(reached), "the touch never reached the engine"
+            async with asyncio.timeout(30):
+                await retention.stop()
+        finally:
+            engine.config = fast
+        assert engine.stats.finished.get("abort", 0) == 0, engine.stats.finished
+        assert not retention.touches.tasks()
 
 
 async def test_the_block_ids_of_sessions_the_store_dropped_are_forgotten(

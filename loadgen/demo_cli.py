@@ -93,7 +93,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--speed", type=float, default=4.0, help="simulator speed-up over the h100-llama8b profile"
     )
-    p.add_argument("--l1-gb", default="1", help="--real: LMCache L1 size (GB)")
+    p.add_argument(
+        "--l1-gb", default=None, help="--real: LMCache L1 size in GB (default: the KV pool's size)"
+    )
     p.add_argument(
         "--eager",
         action="store_true",

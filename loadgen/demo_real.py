@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +41,7 @@ from loadgen.records import RunResult
 from loadgen.runner import RunOptions
 from loadgen.workloads import build_workload
 from loadgen.workloads.base import Workload
-from proxy.engine_cli import ensure_engine_installed
+from proxy.engine_cli import engine_dtype, ensure_engine_installed
 
 # the real-engine swarm (loadgen.realstack.SWARM) at half its users and sessions of at most 4
 # dispatches, to keep the default short (engine start-up dominates)
@@ -49,6 +51,18 @@ REAL_ROUNDS = 1
 HEADROOM_BLOCKS = 16
 # vLLM refuses a pool smaller than one call of its max model length (4,096 tokens)
 MIN_BLOCKS = 4096 // 32
+
+
+def pool_l1_gb(blocks: int, model_dir: Path, dtype: str) -> str:
+    """An LMCache L1 as large as a pool of ``blocks`` blocks of 32 tokens of the model in
+    ``model_dir`` (the simulator demo's tier: as large as the pool), in GiB, rounded up."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    width = 4 if dtype in ("float32", "float") else 2
+    size = blocks * 32 * 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * width
+    return f"{math.ceil(size / 2**30 * 100) / 100:g}"
 
 
 def real_pool(workload: Workload, time_scale: float) -> int:
@@ -75,19 +89,21 @@ async def demo_real(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("results/demo-real")
     workload = build_workload("swarm", params)
     blocks = args.num_blocks or real_pool(workload, time_scale)
+    _, model_dir = ensure_engine_installed()
+    l1_gb = args.l1_gb or pool_l1_gb(blocks, model_dir, engine_dtype())
     print(
         f"kvkeeper demo --real: agent swarm ({params['users']} users, {params['agents']} agents "
         f"with shared system prompts, tool pauses x{time_scale:g}) on vLLM-on-CPU (SmolLM2-135M, "
         f"{blocks} KV blocks of 32, at least half the working set) and the LMCache MP server "
-        f"(L1 {args.l1_gb} GB); {args.rounds} round(s), the three stacks in a rotated order",
+        f"(L1 {l1_gb} GB, as large as the pool); {args.rounds} round(s), the three stacks in a "
+        "rotated order",
         flush=True,
     )
     t0 = time.monotonic()
     print("starting the LMCache MP stack and two vLLM engines (one to several minutes)", flush=True)
     rounds: list[list[RunResult]] = []
     did: dict[str, float] = {}
-    with lmcache_stack(out / "lmcache", args.l1_gb) as stack:
-        _, model_dir = ensure_engine_installed()
+    with lmcache_stack(out / "lmcache", l1_gb) as stack:
         tier = stack.tier(model_dir)
         with vllm_engines(blocks, [None, stack.connector()], args.eager) as (plain, lmc):
             print(f"stack up in {time.monotonic() - t0:.0f}s", flush=True)

@@ -1,4 +1,4 @@
-"""Keep-alive touches and warm-ups: running them, their deadline, and the session replay.
+"""Keep-alive touches and warm-ups: running them to their end, and the session replay.
 
 A touch is a one-token request over a prefix that moves it to LRU's safe end. The runner is
 driven by the retention tick: it holds the tasks, settles each one's overhead credit, and counts

@@ -240,6 +240,33 @@ def spawn(
     )
 
 
+def spawn_kvkeeper(
+    port: int,
+    upstream: str,
+    redis_port: int,
+    workers: int,
+    metrics_dirs: dict[int, Path],
+    cpus: set[int] | None = None,
+    tag: str = "",
+) -> subprocess.Popen[bytes]:
+    """``kvkeeper serve`` with ``workers`` processes in front of ``upstream``; several workers
+    count in files of their own (``metrics_dirs[workers]``: requests per worker)."""
+    env = {}
+    if workers > 1:
+        metrics_dirs[workers] = Path(tempfile.mkdtemp(prefix=f"bench-w{workers}-"))
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dirs[workers])
+    return spawn(
+        [
+            sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
+            "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0",
+            "--log-level", "WARNING", "--workers", str(workers),
+        ],
+        env,
+        cpus=cpus,
+        tag=tag,
+    )  # fmt: skip
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -375,18 +402,7 @@ async def main() -> None:
     for n in worker_counts:
         port = free_port()
         kvk_ports.append(port)
-        env = dict(os.environ)
-        if n > 1:  # each worker's counters in files of its own: requests per worker
-            metrics_dirs[n] = Path(tempfile.mkdtemp(prefix=f"bench-w{n}-"))
-            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dirs[n])
-        kvk = spawn(
-            [
-                sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
-                "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0",
-                "--log-level", "WARNING", "--workers", str(n),
-            ],
-            env,
-        )  # fmt: skip
+        kvk = spawn_kvkeeper(port, upstream, redis_port, n, metrics_dirs)
         procs.append(kvk)
         tag = "" if n == 1 else f" w{n}"
         targets[f"kvkeeper{tag}"] = (f"http://127.0.0.1:{port}", kvk.pid, False)
@@ -883,20 +899,9 @@ async def saturate(args: argparse.Namespace) -> None:
             targets[name] = (f"http://127.0.0.1:{port}", router.pid, False, "/health")
     for n in worker_counts:
         port = free_port()
-        env = {}
-        if n > 1:  # each worker's counters in files of its own: requests per worker
-            metrics_dirs[n] = Path(tempfile.mkdtemp(prefix=f"bench-w{n}-"))
-            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dirs[n])
-        kvk = spawn(
-            [
-                sys.executable, "-m", "proxy.cli", "serve", "--port", str(port),
-                "--engine", upstream, "--redis", f"redis://127.0.0.1:{redis_port}/0",
-                "--log-level", "WARNING", "--workers", str(n),
-            ],
-            env,
-            cpus=proxy_cpus,
-            tag=f"kvkeeper-w{n}",
-        )  # fmt: skip
+        kvk = spawn_kvkeeper(
+            port, upstream, redis_port, n, metrics_dirs, cpus=proxy_cpus, tag=f"kvkeeper-w{n}"
+        )
         procs.append(kvk)
         url = f"http://127.0.0.1:{port}"
         targets[f"kvkeeper{wtag(n)}"] = (url, kvk.pid, False, "/healthz")

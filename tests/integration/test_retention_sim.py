@@ -829,12 +829,19 @@ async def test_retention_recomputes_no_more_than_its_share_of_served_prompt_toke
         forgiven = overhead["forgiven_tokens"]
         assert recomputed <= share * served + burst + forgiven + BLOCK, (recomputed, served)
         declined = await st.metric("kvkeeper_touches_total", label='outcome="over_budget"')
+        # served touches: on time or late (a loaded machine can make one late; it still ran)
+        ran = sum(
+            [
+                await st.metric("kvkeeper_touches_total", label=f'outcome="{o}"')
+                for o in ("ok", "late")
+            ]
+        )
         if share == 0.01:
             assert kept >= 0.95 * FULL, (kept, overhead, declined, served)
-            assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') >= 1
+            assert ran >= 1
         else:
             assert kept == 0
-            assert await st.metric("kvkeeper_touches_total", label='outcome="ok"') == 0
+            assert ran == 0
             assert declined >= 1 and overhead["declined"] >= declined
 
 

@@ -18,7 +18,7 @@ POOL_SHARE = 0.5
 TARGETS = ("vLLM", "vLLM + LMCache", "vLLM + LMCache + kvkeeper")
 # what kvkeeper did, from its /metrics at the end of its run
 DID = {
-    "touches": ("kvkeeper_touches_total", {"outcome": "ok"}),
+    "touches": ("kvkeeper_touches_total", {"outcome": ("ok", "late")}),  # served, on time or not
     "tier pins": ("kvkeeper_offloads_total", None),
     "prefetches": ("kvkeeper_prefetches_total", None),
     "evictions": ("kvkeeper_evictions_total", None),
@@ -36,7 +36,8 @@ def did_from(text: str) -> dict[str, float]:
         lines = [
             ln
             for ln in text.splitlines()
-            if ln.startswith(name) and all(f'{k}="{v}"' in ln for k, v in only.items())
+            if ln.startswith(name)
+            and all(any(f'{k}="{v}"' in ln for v in values) for k, values in only.items())
         ]
         did[label] = parse_counters("\n".join(lines), [name]).get(name, 0.0)
     return did
